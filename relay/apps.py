@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class RelayConfig(AppConfig):
+    name = "relay"
+    verbose_name = "Push relay"

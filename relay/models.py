@@ -1,0 +1,191 @@
+"""The relay's data: who the tenants are, their apps and component links, and registrations.
+
+Privacy rule: no account JID, message body or sender is ever stored. A registration keeps the
+account's domain and a salted hash, the provider token (the device's address) and the node and
+secret that the user's server must present.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+
+class Service(models.TextChoices):
+    """The push providers a registration can be sent through."""
+
+    FCM = "fcm", "Firebase Cloud Messaging"
+    APNS = "apns", "Apple Push Notification service"
+    WNS = "wns", "Windows Push Notification Services"
+
+
+class Tenant(models.Model):
+    """A hosting provider's customer: owns apps and component links."""
+
+    name = models.SlugField(max_length=100, unique=True)
+    display_name = models.CharField(max_length=200, blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.display_name or self.name
+
+
+class App(models.Model):
+    """A push app of a tenant (e.g. a Conversations build): the provider credentials live here."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="apps")
+    name = models.SlugField(max_length=100)
+    fcm_service_account = models.TextField(
+        blank=True, help_text="The Firebase service account JSON of this app."
+    )
+    fcm_endpoint = models.URLField(
+        blank=True, help_text="FCM base URL; empty means https://fcm.googleapis.com."
+    )
+    created = models.DateTimeField(auto_now_add=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["tenant__name", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "name"], name="app_unique_name_per_tenant")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.name}/{self.name}"
+
+
+class Component(models.Model):
+    """An XEP-0114 link to one XMPP server: users of that server register and publish here."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="components")
+    app = models.ForeignKey(App, on_delete=models.PROTECT, related_name="components")
+    jid = models.CharField(max_length=255, unique=True, help_text="The component's JID.")
+    secret = models.CharField(max_length=255, help_text="The XEP-0114 shared secret.")
+    host = models.CharField(max_length=255, default="127.0.0.1")
+    port = models.PositiveIntegerField(default=5347)
+    enabled = models.BooleanField(default=True)
+    created = models.DateTimeField(auto_now_add=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["jid"]
+
+    def __str__(self) -> str:
+        return self.jid
+
+
+class LinkState(models.TextChoices):
+    CONNECTING = "connecting", "connecting"
+    UP = "up", "up"
+    DOWN = "down", "down"
+
+
+class ComponentLink(models.Model):
+    """What the gateway last saw of a component's link; written by the gateway only."""
+
+    component = models.OneToOneField(Component, on_delete=models.CASCADE, related_name="link")
+    state = models.CharField(max_length=16, choices=LinkState.choices, default=LinkState.DOWN)
+    since = models.DateTimeField(null=True, blank=True)
+    last_error = models.CharField(max_length=255, blank=True)
+    last_error_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.component.jid}: {self.state}"
+
+
+class Registration(models.Model):
+    """One device (and optionally one room) of one account, reachable through one provider."""
+
+    app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="registrations")
+    component = models.ForeignKey(
+        Component, on_delete=models.CASCADE, related_name="registrations"
+    )
+    service = models.CharField(max_length=8, choices=Service.choices)
+    device_hash = models.CharField(max_length=64, help_text="sha1(bare JID + NUL + device id)")
+    room_hash = models.CharField(
+        max_length=64, blank=True, default="", help_text="sha1(room JID + NUL + device id)"
+    )
+    account_domain = models.CharField(max_length=255)
+    token = models.TextField(help_text="The provider's address of the device.")
+    node = models.CharField(max_length=64)
+    secret = models.CharField(max_length=64)
+    created = models.DateTimeField(auto_now_add=True)
+    updated = models.DateTimeField(auto_now=True)
+    last_push = models.DateTimeField(null=True, blank=True)
+    dead_since = models.DateTimeField(
+        null=True, blank=True, help_text="Set when the provider said the token is gone."
+    )
+
+    class Meta:
+        ordering = ["-updated"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["component", "node"], name="registration_unique_node_per_component"
+            ),
+            models.UniqueConstraint(
+                fields=["app", "service", "device_hash", "room_hash"],
+                name="registration_unique_device_room_per_app_service",
+            ),
+            models.CheckConstraint(
+                condition=Q(service__in=[s.value for s in Service]),
+                name="registration_known_service",
+            ),
+        ]
+        indexes = [models.Index(fields=["account_domain"])]
+
+    def __str__(self) -> str:
+        return f"{self.service}:{self.node}@{self.component_id}"
+
+
+class Outcome(models.TextChoices):
+    """How a push ended: the provider interface classifies every answer into one of these."""
+
+    DELIVERED = "delivered", "delivered"
+    DEAD_TOKEN = "dead_token", "dead token"
+    RETRY_LATER = "retry_later", "retry later"
+    FAILED = "failed", "failed"
+
+
+class Priority(models.TextChoices):
+    HIGH = "high", "important"
+    NORMAL = "normal", "silent"
+
+
+class Delivery(models.Model):
+    """One push as it went through us: the record reports are made from.
+
+    It holds no JID, token or body on purpose; `push_id` tells duplicates apart.
+    """
+
+    push_id = models.UUIDField(default=uuid.uuid4, unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="deliveries")
+    app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="deliveries")
+    registration = models.ForeignKey(
+        Registration, on_delete=models.SET_NULL, null=True, blank=True, related_name="deliveries"
+    )
+    provider = models.CharField(max_length=8, choices=Service.choices)
+    publishing_domain = models.CharField(max_length=255)
+    priority = models.CharField(max_length=8, choices=Priority.choices)
+    received = models.DateTimeField()
+    queued = models.DateTimeField()
+    sent = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveSmallIntegerField(default=1)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices)
+    error_code = models.CharField(max_length=64, blank=True)
+
+    class Meta:
+        ordering = ["-received"]
+        verbose_name_plural = "deliveries"
+        indexes = [
+            models.Index(fields=["tenant", "received"]),
+            models.Index(fields=["app", "received"]),
+            models.Index(fields=["outcome", "received"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.provider} {self.outcome} {self.push_id}"

@@ -1,0 +1,1 @@
+"""Push provider clients, one module each, behind `relay.providers.base.PushProvider`."""

@@ -1,0 +1,1 @@
+"""Business logic: plain functions that entry points (stanza handlers, views, tasks) call."""

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class XmppGatewayConfig(AppConfig):
+    name = "xmppgateway"
+    verbose_name = "XMPP gateway"
