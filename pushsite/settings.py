@@ -77,6 +77,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -117,6 +118,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
     )
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # Tests run the gateway and worker as processes of their own: they need a file, not memory.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-push.sqlite3")}
 else:
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault("connect_timeout", 5)
 
@@ -136,6 +139,10 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", VAR_DIR / "static"))
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+}
 
 # --- Security: production must pass `manage.py check --deploy`.
 if PRODUCTION:
@@ -167,12 +174,15 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = env_int("CELERY_WORKER_PREFETCH_MULTIPLIER", 4)
 CELERY_BROKER_CONNECTION_TIMEOUT = env_float("CELERY_BROKER_CONNECTION_TIMEOUT", 2.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_BROKER_TRANSPORT_OPTIONS = {
-    # Redis: an unacknowledged send comes back after this many seconds.
-    "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 300),
-    "socket_connect_timeout": 2,
-    "socket_timeout": 5,
-}
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
+if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        # An unacknowledged send comes back after this many seconds; it must exceed the
+        # longest retry delay, since delayed sends wait unacknowledged in a worker.
+        "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600),
+        "socket_connect_timeout": 2,
+        "socket_timeout": 5,
+    }
 # Publishing must fail fast so the gateway can answer `wait` instead of stalling.
 CELERY_TASK_PUBLISH_RETRY = True
 CELERY_TASK_PUBLISH_RETRY_POLICY = {

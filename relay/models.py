@@ -102,9 +102,7 @@ class Registration(models.Model):
     """One device (and optionally one room) of one account, reachable through one provider."""
 
     app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="registrations")
-    component = models.ForeignKey(
-        Component, on_delete=models.CASCADE, related_name="registrations"
-    )
+    component = models.ForeignKey(Component, on_delete=models.CASCADE, related_name="registrations")
     service = models.CharField(max_length=8, choices=Service.choices)
     device_hash = models.CharField(max_length=64, help_text="sha1(bare JID + NUL + device id)")
     room_hash = models.CharField(

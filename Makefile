@@ -1,0 +1,64 @@
+# Two commands do everything on a fresh Debian machine:
+#   make run   start web, gateway and worker on embedded defaults (SQLite, a file-backed broker)
+#   make test  install what the tests need (system packages too, as root) and run them all
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The suite runs on PostgreSQL and Redis (as CI must), then the embedded defaults again.
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
+TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
+SYSTEM_PACKAGES := python3-venv prosody prosody-modules lua-unbound ejabberd chromium chromium-driver \
+	libpostgresql-jdbc-java redis-server
+
+.PHONY: run test test-postgres test-defaults lint bench system-deps venv migrate clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+system-deps:
+	@if [ "$$(id -u)" = "0" ]; then \
+		missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+		if [ -n "$$missing" ]; then \
+			echo "installing: $$missing"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		fi; \
+	else \
+		echo "not root: expecting $(SYSTEM_PACKAGES) to be installed"; \
+	fi
+
+migrate: $(STAMP)
+	$(BIN)/python manage.py migrate --noinput
+
+run: $(STAMP) migrate
+	$(BIN)/python manage.py collectstatic --noinput -v0
+	$(BIN)/honcho start -f Procfile
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: system-deps $(STAMP) lint
+	$(MAKE) --no-print-directory test-postgres
+	$(MAKE) --no-print-directory test-defaults
+
+test-postgres: $(STAMP)
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) \
+		$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The embedded defaults (SQLite, the file-backed broker) must keep working on a laptop.
+test-defaults: $(STAMP)
+	env -u DATABASE_URL -u CELERY_BROKER_URL VAR_DIR=$$(mktemp -d) \
+		$(BIN)/python -m pytest -m defaults $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) \
+		$(BIN)/python bench/relay.py
+
+clean:
+	rm -rf $(VENV) var

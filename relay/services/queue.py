@@ -1,0 +1,52 @@
+"""The durable hand-off between the gateway (which answers publishes) and the send workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django.utils import timezone
+
+log = logging.getLogger(__name__)
+
+
+class QueueUnavailable(Exception):
+    """The broker did not take the job: the publish must be answered with a `wait` error."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendJob:
+    """One push to send. It carries no token, JID or body: the worker reads the registration."""
+
+    push_id: str
+    registration_id: int
+    publishing_domain: str
+    important: bool
+    received: str
+    message_count: int | None = None
+    pending_subscription_count: int | None = None
+    queued: str = ""
+    attempt: int = 1
+
+    def to_message(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> SendJob:
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in message.items() if key in names})
+
+
+def enqueue_send(job: SendJob, *, countdown: float | None = None) -> SendJob:
+    """Publish the job to the broker; returns only once the broker has it."""
+    from relay.tasks import send_push
+
+    job = dataclasses.replace(job, queued=job.queued or timezone.now().isoformat())
+    try:
+        send_push.apply_async(args=[job.to_message()], countdown=countdown)
+    except Exception as error:  # kombu, redis, amqp and socket errors all mean "not queued"
+        log.warning("queue.publish_failed", extra={"error_type": type(error).__name__})
+        raise QueueUnavailable from error
+    return job

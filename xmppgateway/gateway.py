@@ -1,0 +1,217 @@
+"""The gateway process: every enabled component link in one asyncio loop.
+
+slixmpp neither reconnects after a stream error or a server restart nor reports a wrong
+secret beyond one event, so each link runs under a supervisor loop with backoff here. The
+set of links follows the database: added, changed, disabled and deleted components are
+picked up by polling, without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from django.conf import settings
+from django.db import Error as DatabaseError
+from django.db import close_old_connections
+
+from relay.models import Component, LinkState
+from relay.services import links
+from relay.services.queue import QueueUnavailable
+from xmppgateway.component import PushComponent
+from xmppgateway.handlers import Unavailable
+
+log = logging.getLogger(__name__)
+
+# A link that stayed up this long starts its next reconnect from the shortest delay again.
+STABLE_SECONDS = 30.0
+
+
+def _link_key(component: Component) -> tuple[Any, ...]:
+    return (component.jid, component.secret, component.host, component.port, component.app_id)
+
+
+class Link:
+    """Keeps one component connected until stopped."""
+
+    def __init__(self, gateway: Gateway, component: Component) -> None:
+        self.gateway = gateway
+        self.component = component
+        self.key = _link_key(component)
+        self.xmpp: PushComponent | None = None
+        self.up = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._report: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"link-{self.component.pk}")
+
+    async def stop(self, grace: float = 5.0) -> None:
+        self._stopping = True
+        xmpp = self.xmpp
+        if xmpp is not None and xmpp.in_flight:
+            await asyncio.wait(set(xmpp.in_flight), timeout=grace)
+        if xmpp is not None:
+            xmpp.cancel_connection_attempt()
+            if xmpp.transport is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(xmpp.disconnect(wait=1.0), timeout=2.0)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.gateway.report(self.component.pk, LinkState.DOWN, "")
+
+    async def _run(self) -> None:
+        delay = settings.RELAY["RECONNECT_MIN_SECONDS"]
+        maximum = settings.RELAY["RECONNECT_MAX_SECONDS"]
+        while not self._stopping:
+            started = time.monotonic()
+            reason = await self._connect_once()
+            if self._stopping:
+                return
+            if time.monotonic() - started > STABLE_SECONDS:
+                delay = settings.RELAY["RECONNECT_MIN_SECONDS"]
+            wait = random.uniform(delay / 2, delay)
+            log.warning(
+                "link.down",
+                extra={
+                    "component_id": self.component.pk,
+                    "reason": reason,
+                    "retry_in": round(wait, 2),
+                },
+            )
+            await self.gateway.report(self.component.pk, LinkState.DOWN, reason)
+            await asyncio.sleep(wait)
+            delay = min(maximum, delay * 2)
+
+    async def _connect_once(self) -> str:
+        """Connect, serve until the link ends, and say why it ended."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[str] = loop.create_future()
+        stream_error: list[str] = []
+        xmpp = PushComponent(
+            self.component,
+            run_blocking=self.gateway.run_blocking,
+            max_field_length=settings.RELAY["MAX_FIELD_LENGTH"],
+        )
+        self.xmpp = xmpp
+
+        def finish(reason: str) -> None:
+            if not ended.done():
+                ended.set_result(reason)
+
+        def on_session_start(_: Any) -> None:
+            self.up.set()
+            log.info("link.up", extra={"component_id": self.component.pk})
+            self._report = asyncio.ensure_future(
+                self.gateway.report(self.component.pk, LinkState.UP, "")
+            )
+
+        def on_stream_error(stanza: Any) -> None:
+            condition = stanza["condition"] or "stream-error"
+            stream_error.append(condition)
+            if condition == "not-authorized":
+                log.error("link.wrong_secret", extra={"component_id": self.component.pk})
+
+        xmpp.add_event_handler("session_start", on_session_start)
+        xmpp.add_event_handler("stream_error", on_stream_error)
+        xmpp.add_event_handler("connection_failed", lambda e: finish("connection failed"))
+        xmpp.add_event_handler("disconnected", lambda e: finish("disconnected"))
+        await self.gateway.report(self.component.pk, LinkState.CONNECTING, "")
+        xmpp.connect()
+        try:
+            reason = await ended
+        finally:
+            self.up.clear()
+            xmpp.cancel_connection_attempt()
+            if xmpp.transport is not None:
+                xmpp.abort()
+        if stream_error:
+            condition = stream_error[0]
+            return "wrong secret (not-authorized)" if condition == "not-authorized" else condition
+        return reason
+
+
+class Gateway:
+    def __init__(self, *, poll_seconds: float | None = None) -> None:
+        self.poll_seconds = poll_seconds or settings.RELAY["COMPONENT_POLL_SECONDS"]
+        self.executor = ThreadPoolExecutor(
+            max_workers=settings.RELAY["GATEWAY_THREADS"], thread_name_prefix="gateway-db"
+        )
+        self.links: dict[int, Link] = {}
+        self.stopped = asyncio.Event()
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ORM and broker calls off the event loop; their outages become `Unavailable`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.executor, functools.partial(_guarded_call, fn, *args, **kwargs)
+        )
+
+    async def report(self, component_id: int, state: LinkState, error: str) -> None:
+        # The link state is advisory; the database may be the very thing that is down.
+        with contextlib.suppress(Unavailable):
+            await self.run_blocking(
+                links.record_link_state, component_id=component_id, state=state, error=error
+            )
+
+    async def sync_links(self) -> None:
+        try:
+            components = await self.run_blocking(links.enabled_components)
+        except Unavailable:
+            log.warning("gateway.components_unavailable")
+            return
+        wanted = {component.pk: component for component in components}
+        for pk in list(self.links):
+            link = self.links[pk]
+            if pk not in wanted or _link_key(wanted[pk]) != link.key:
+                del self.links[pk]
+                log.info("gateway.link_removed", extra={"component_id": pk})
+                await link.stop()
+        for pk, component in wanted.items():
+            if pk not in self.links:
+                log.info("gateway.link_added", extra={"component_id": pk})
+                link = Link(self, component)
+                self.links[pk] = link
+                link.start()
+            else:
+                self.links[pk].component = component
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stopped.set)
+        log.info("gateway.started")
+        while not self.stopped.is_set():
+            await self.sync_links()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopped.wait(), timeout=self.poll_seconds)
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        log.info("gateway.stopping", extra={"links": len(self.links)})
+        links_to_stop = list(self.links.values())
+        self.links.clear()
+        await asyncio.gather(*(link.stop() for link in links_to_stop), return_exceptions=True)
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        log.info("gateway.stopped")
+
+
+def _guarded_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    close_old_connections()
+    try:
+        return fn(*args, **kwargs)
+    except (DatabaseError, QueueUnavailable) as error:
+        log.warning("gateway.backend_unavailable", extra={"error_type": type(error).__name__})
+        raise Unavailable from error
