@@ -221,8 +221,11 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
-        # slixmpp logs whole stanzas at DEBUG (JIDs, secrets): keep it above that.
-        "slixmpp": {"level": "WARNING"},
+        # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
+        "slixmpp": {"level": "CRITICAL"},
         "celery": {"level": "INFO"},
+        # httpx logs whole request URLs at INFO: a WNS channel URI is a device address.
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
     },
 }

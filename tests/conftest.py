@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from relay.models import App, Component, Tenant
-from tests.support import broker
-
 
 @pytest.fixture
-def component(db) -> Component:
+def component(db):
+    from relay.models import App, Component, Tenant
+
     tenant = Tenant.objects.create(name="example")
     app = App.objects.create(tenant=tenant, name="conversations")
     return Component.objects.create(
@@ -20,6 +19,8 @@ def component(db) -> Component:
 @pytest.fixture
 def send_queue():
     """The real broker's send queue, empty before and after the test."""
+    from tests.support import broker
+
     broker.purge()
     yield broker
     broker.purge()

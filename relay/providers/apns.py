@@ -1,0 +1,573 @@
+"""APNs over HTTP/2 through aioapns 4.0, behind the synchronous `PushProvider` interface.
+
+aioapns binds to the first event loop it runs on, and Celery calls us synchronously from
+prefork processes or threads. So every process keeps ONE asyncio loop in a daemon thread,
+shared by all APNs providers of that process (one thread, not one per app), and `send()`
+submits coroutines to it with `run_coroutine_threadsafe`. After a fork the child starts its
+own loop on first use; a provider built before the fork rebuilds its client there.
+
+aioapns has no host argument: each client gets a protocol subclass with our `APNS_SERVER` and
+`APNS_PORT` (also used for the `host` header), so sandbox, production and a local fake are all
+one code path. A custom CA (e.g. a test fake's) is trusted through the client's `ssl_context`.
+
+Privacy: the device token is the device's address. It is never logged nor returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import os
+import re
+import ssl
+import tempfile
+import threading
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit
+
+from aioapns import APNs, NotificationRequest, PushType
+from aioapns.common import NotificationResult
+from aioapns.connection import (
+    APNsBaseClientProtocol,
+    APNsTLSClientProtocol,
+    AuthorizationHeaderProvider,
+    JWTAuthorizationHeaderProvider,
+)
+from aioapns.exceptions import ConnectionClosed
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from h2.exceptions import NoAvailableStreamIDError
+
+from relay.models import Outcome
+from relay.providers.base import SendResult, Wakeup
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PRODUCTION_HOST = "api.push.apple.com"
+SANDBOX_HOST = "api.sandbox.push.apple.com"
+DEFAULT_PORT = 443
+
+_PEM_BLOCK = re.compile(r"-----BEGIN ([A-Z0-9 ]+)-----.+?-----END \1-----", re.DOTALL)
+_HEX_TOKEN = re.compile(r"[0-9A-Fa-f]{16,200}")
+_PUSH_ID_NAMESPACE = uuid.UUID("5b1f3a0e-3c7e-4f57-9d36-0c1a8f0e2b6d")
+
+# Reasons that mean this token will never work again for this app.
+_DEAD_400_REASONS = frozenset({"BadDeviceToken", "DeviceTokenNotForTopic"})
+
+
+def _pem_blocks(text: str, kind: str) -> list[str]:
+    """PEM blocks whose label ends with `kind` ("CERTIFICATE", "PRIVATE KEY")."""
+    return [m.group(0) for m in _PEM_BLOCK.finditer(text) if m.group(1).endswith(kind)]
+
+
+def _load_private_key(pem: str, what: str) -> Any:
+    try:
+        return serialization.load_pem_private_key(pem.strip().encode(), password=None)
+    except TypeError as error:  # cryptography: "password was not given"
+        raise ValueError(f"{what} is encrypted; give it without a passphrase") from error
+    except (ValueError, UnsupportedAlgorithm) as error:
+        raise ValueError(f"{what} is not a PEM private key") from error
+
+
+def _describe_key(key: Any) -> str:
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return f"an EC {key.curve.name} key"
+    if isinstance(key, rsa.RSAPrivateKey):
+        return f"an RSA {key.key_size} key"
+    return f"a {type(key).__name__}"
+
+
+def _spki(public_key: Any) -> bytes:
+    return public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+@dataclass(frozen=True)
+class ApnsConfig:
+    """One app's APNs credentials: token auth (.p8 key) or certificate auth, never both.
+
+    `certificate` may hold the certificate and its key in one PEM text (then leave
+    `private_key` empty). `endpoint` is "host[:port]" or "https://host[:port]"; empty means
+    Apple's host for `sandbox`. `ca_file` replaces the system trust store for that endpoint.
+    """
+
+    topic: str
+    sandbox: bool = False
+    key: str = field(default="", repr=False)
+    key_id: str = ""
+    team_id: str = ""
+    certificate: str = field(default="", repr=False)
+    private_key: str = field(default="", repr=False)
+    endpoint: str = ""
+    ca_file: str = ""
+    alert_title: str = "New message"
+
+    @property
+    def uses_token_auth(self) -> bool:
+        return bool(self.key.strip())
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) to connect to; Apple's by default."""
+        if not self.endpoint.strip():
+            return (SANDBOX_HOST if self.sandbox else PRODUCTION_HOST), DEFAULT_PORT
+        text = self.endpoint.strip()
+        parts = urlsplit(text if "//" in text else f"//{text}")
+        if parts.scheme not in ("", "https") or parts.path not in ("", "/"):
+            raise ValueError(f"APNs endpoint must be host[:port] or https://host[:port]: {text!r}")
+        try:
+            port = parts.port or DEFAULT_PORT
+        except ValueError as error:
+            raise ValueError(f"APNs endpoint has a bad port: {text!r}") from error
+        if not parts.hostname:
+            raise ValueError(f"APNs endpoint has no host: {text!r}")
+        return parts.hostname, port
+
+    def _certificate(self) -> x509.Certificate:
+        blocks = _pem_blocks(self.certificate, "CERTIFICATE")
+        if not blocks:
+            raise ValueError("APNs certificate is not a PEM certificate")
+        try:
+            return x509.load_pem_x509_certificate(blocks[0].encode())
+        except ValueError as error:
+            raise ValueError("APNs certificate cannot be parsed") from error
+
+    def _certificate_key(self) -> Any:
+        blocks = _pem_blocks(self.private_key or self.certificate, "PRIVATE KEY")
+        if not blocks:
+            raise ValueError("APNs certificate auth needs the certificate's private key")
+        return _load_private_key(blocks[0], "APNs certificate private key")
+
+    @property
+    def certificate_not_after(self) -> datetime | None:
+        """When the certificate expires (UTC), for expiry warnings; None for token auth."""
+        if self.uses_token_auth or not self.certificate.strip():
+            return None
+        return self._certificate().not_valid_after_utc
+
+    def validate(self) -> None:
+        """Raise ValueError with a message an operator can act on."""
+        if not self.topic.strip():
+            raise ValueError("APNs topic (the app's bundle id) is required")
+        has_key, has_cert = self.uses_token_auth, bool(self.certificate.strip())
+        if has_key == has_cert:
+            raise ValueError(
+                "APNs needs exactly one auth kind: a .p8 key (with key id and team id) "
+                "or a certificate with its private key"
+            )
+        self.address  # noqa: B018 -- raises on a malformed endpoint
+        if self.ca_file and not os.path.isfile(self.ca_file):
+            raise ValueError(f"APNs CA file does not exist: {self.ca_file}")
+        if has_key:
+            self._validate_token_auth()
+        else:
+            self._validate_certificate_auth()
+
+    def _validate_token_auth(self) -> None:
+        if not self.key_id.strip() or not self.team_id.strip():
+            raise ValueError("APNs token auth needs the key id and the team id")
+        key = _load_private_key(self.key, "APNs key")
+        if not (isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"):
+            raise ValueError(
+                f"APNs key must be an EC P-256 (.p8) private key, got {_describe_key(key)}"
+            )
+
+    def _validate_certificate_auth(self) -> None:
+        certificate = self._certificate()
+        key = self._certificate_key()
+        if _spki(certificate.public_key()) != _spki(key.public_key()):
+            raise ValueError("APNs private key does not belong to the certificate")
+        now = datetime.now(UTC)
+        if certificate.not_valid_after_utc <= now:
+            raise ValueError(
+                f"APNs certificate expired on {certificate.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+            )
+        if certificate.not_valid_before_utc > now:
+            raise ValueError(
+                "APNs certificate is not valid before "
+                f"{certificate.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
+            )
+
+    def client_pem(self) -> str:
+        """Certificate chain plus an unencrypted PKCS#8 key, as `ssl.load_cert_chain` wants."""
+        chain = _pem_blocks(self.certificate, "CERTIFICATE")
+        key = self._certificate_key().private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        return "\n".join(chain) + "\n" + key.decode()
+
+
+def classify(status: int, reason: str) -> SendResult:
+    """Map APNs' answer to an outcome; `reason` is Apple's code, e.g. "Unregistered"."""
+    code = reason or str(status)
+    if status == 200:
+        return SendResult.delivered()
+    if status == 410 or (status == 400 and reason in _DEAD_400_REASONS):
+        return SendResult(Outcome.DEAD_TOKEN, code)
+    if status == 429 or status >= 500:
+        return SendResult(Outcome.RETRY_LATER, code)
+    return SendResult(Outcome.FAILED, code)
+
+
+def build_payload(wakeup: Wakeup, alert_title: str = "New message") -> dict[str, Any]:
+    """§1.4: a generic alert for important pushes, else a silent background wake-up."""
+    aps: dict[str, Any]
+    if wakeup.important:
+        aps = {"alert": {"title": alert_title}, "sound": "default"}
+    else:
+        aps = {"content-available": 1}
+    payload: dict[str, Any] = {"aps": aps, "account": wakeup.account}
+    if wakeup.channel:
+        payload["channel"] = wakeup.channel
+    return payload
+
+
+def apns_id(push_id: str) -> str:
+    """APNs wants a canonical UUID; derive a stable one if the push id is not one."""
+    try:
+        return str(uuid.UUID(push_id))
+    except ValueError:
+        return str(uuid.uuid5(_PUSH_ID_NAMESPACE, push_id))
+
+
+# --- the per-process event loop ---------------------------------------------------------------
+
+
+class _LoopThread:
+    """An asyncio loop running forever in a daemon thread of this process."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="apns-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @property
+    def usable(self) -> bool:
+        return self.pid == os.getpid() and self._thread.is_alive() and not self.loop.is_closed()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        if self.usable:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+            if not self._thread.is_alive():
+                self.loop.close()
+
+
+_loop_lock = threading.Lock()
+_loop: _LoopThread | None = None
+
+
+def _shared_loop() -> _LoopThread:
+    global _loop
+    with _loop_lock:
+        if _loop is None or not _loop.usable:
+            _loop = _LoopThread()
+        return _loop
+
+
+def _forget_loop_after_fork() -> None:
+    """The parent's loop thread does not exist in a forked child; its lock may be held."""
+    global _loop, _loop_lock
+    _loop = None
+    _loop_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_loop_after_fork)
+
+
+def shutdown() -> None:
+    """Stop this process's APNs loop (worker shutdown, tests); the next send starts a new one."""
+    global _loop
+    with _loop_lock:
+        loop, _loop = _loop, None
+    if loop is not None:
+        loop.stop()
+
+
+# --- aioapns glue -----------------------------------------------------------------------------
+
+
+# One JWT signer per key in this process (used on the loop thread only).
+_jwt_providers: dict[tuple[str, str, str], JWTAuthorizationHeaderProvider] = {}
+
+
+class _EndpointProtocol(APNsTLSClientProtocol):
+    """aioapns' protocol with a few leaks and hangs fixed; subclassed per endpoint."""
+
+    # Apple asks to keep connections open rather than reconnect per burst (aioapns: 10 s).
+    INACTIVITY_TIME = 60
+    lost = False
+
+    def __init__(
+        self,
+        apns_topic: str,
+        loop: asyncio.AbstractEventLoop | None = None,
+        on_connection_lost: Any = None,
+        auth_provider: AuthorizationHeaderProvider | None = None,
+    ) -> None:
+        if isinstance(auth_provider, JWTAuthorizationHeaderProvider):
+            # aioapns signs a new JWT per connection; Apple answers 429
+            # TooManyProviderTokenUpdates to more than one new token per 20 minutes.
+            key = (auth_provider.key, auth_provider.key_id, auth_provider.team_id)
+            auth_provider = _jwt_providers.setdefault(key, auth_provider)
+        super().__init__(apns_topic, loop, on_connection_lost, auth_provider)
+
+    @property
+    def closing(self) -> bool:
+        return self.lost or self.transport is None or self.transport.is_closing()
+
+    @property
+    def is_busy(self) -> bool:
+        # A closing connection stays in aioapns' pool until connection_lost: skip it.
+        return self.closing or super().is_busy
+
+    def abort(self) -> None:
+        """Drop a connection that stopped answering, without waiting for a TLS goodbye."""
+        if self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        super().connection_lost(exc)
+
+    async def send_notification(self, request: NotificationRequest) -> NotificationResult:
+        # aioapns would write to a dead transport and wait forever for the answer.
+        if self.closing:
+            raise ConnectionClosed("connection is closing")
+        return await super().send_notification(request)
+
+    def on_data_received(self, raw_data: bytes, stream_id: int) -> None:
+        # aioapns never returns flow-control credit, so ~64 KiB of error bodies would stall
+        # the connection for good.
+        self.conn.acknowledge_received_data(len(raw_data), stream_id)
+        super().on_data_received(raw_data, stream_id)
+
+    def on_stream_ended(self, stream_id: int) -> None:
+        # aioapns keeps every 200's stream entry forever, and an error without a body would
+        # never resolve: clean up and answer with the bare status.
+        notification_id = self.request_streams.pop(stream_id, None)
+        if notification_id is not None:
+            status = self.request_statuses.pop(notification_id, None)
+            future = self.requests.pop(notification_id, None) if status else None
+            if future is not None and not future.done():
+                future.set_result(NotificationResult(notification_id, status or ""))
+        super().on_stream_ended(stream_id)
+
+
+@functools.lru_cache(maxsize=64)
+def _protocol_for(host: str, port: int) -> type[APNsTLSClientProtocol]:
+    return type(
+        "ApnsEndpointProtocol", (_EndpointProtocol,), {"APNS_SERVER": host, "APNS_PORT": port}
+    )
+
+
+class ApnsProvider:
+    """Sends wake-ups for one app; thread-safe, one HTTP/2 connection reused for many sends."""
+
+    service: ClassVar[str] = "apns"
+
+    def __init__(
+        self,
+        config: ApnsConfig,
+        *,
+        timeout: float | None = None,
+        time_to_live: int | None = None,
+    ) -> None:
+        """`timeout` defaults to RELAY["PROVIDER_TIMEOUT_SECONDS"]; `time_to_live` (seconds)
+        sets apns-expiration so Apple drops a wake-up that could not reach the phone in time."""
+        config.validate()
+        if timeout is None:
+            from django.conf import settings
+
+            timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
+        self.config = config
+        self.timeout = timeout
+        self.time_to_live = time_to_live
+        self._lock = threading.Lock()
+        self._client: APNs | None = None
+        self._runner: _LoopThread | None = None
+        self._in_flight: set[str] = set()  # apns-ids being sent; touched on the loop only
+
+    def __repr__(self) -> str:
+        return f"<ApnsProvider topic={self.config.topic} address={self.config.address}>"
+
+    # sync API
+
+    def send(self, wakeup: Wakeup) -> SendResult:
+        if not _HEX_TOKEN.fullmatch(wakeup.token):
+            # Apple would say the same; and the token must not reach the :path unchecked.
+            return SendResult(Outcome.DEAD_TOKEN, "BadDeviceToken")
+        try:
+            runner, client = self._client_here()
+        except Exception as error:
+            log.error("APNs client for %s cannot be built: %s", self.config.topic, error)
+            return SendResult(Outcome.FAILED, "CLIENT")
+        future = runner.submit(self._send(client, self._request(wakeup)))
+        try:
+            # The coroutine enforces the timeout itself; this only guards a wedged loop.
+            result = future.result(self.timeout + 5.0)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            result = SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+        if result.outcome != Outcome.DELIVERED:
+            log.info("APNs push %s: %s %s", wakeup.push_id, result.outcome, result.error_code)
+        return result
+
+    def close(self) -> None:
+        """Close this provider's connections; the shared loop keeps serving other providers."""
+        with self._lock:
+            client, runner = self._client, self._runner
+            self._client = self._runner = None
+        if client is not None and runner is not None and runner.usable:
+            try:
+                runner.submit(self._close_client(client)).result(5.0)
+            except Exception as error:  # closing must not fail a credentials change
+                log.warning("APNs client close failed: %s", type(error).__name__)
+
+    # internals
+
+    def _client_here(self) -> tuple[_LoopThread, APNs]:
+        """This process's loop and a client built in it (rebuilt after a fork or close)."""
+        with self._lock:
+            runner = _shared_loop()
+            if self._client is None or self._runner is not runner:
+                self._client = runner.submit(self._make_client()).result(self.timeout)
+                self._runner = runner
+            return runner, self._client
+
+    async def _make_client(self) -> APNs:
+        """Runs in the loop: aioapns grabs the current loop when constructed."""
+        config = self.config
+        context = ssl.create_default_context(cafile=config.ca_file or None)
+        context.set_alpn_protocols(["h2"])
+        common: dict[str, Any] = {
+            "topic": config.topic,
+            "use_sandbox": config.sandbox,
+            "ssl_context": context,
+            "max_connection_attempts": 1,
+        }
+        if config.uses_token_auth:
+            client = APNs(key=config.key, key_id=config.key_id, team_id=config.team_id, **common)
+        else:
+            # aioapns reads the chain from a file path; the file lives only while it loads.
+            with tempfile.NamedTemporaryFile("w", suffix=".pem") as pem:
+                pem.write(config.client_pem())
+                pem.flush()
+                client = APNs(client_cert=pem.name, **common)
+        client.pool.protocol_class = _protocol_for(*config.address)
+        return client
+
+    @staticmethod
+    async def _close_client(client: APNs) -> None:
+        client.pool.close()
+        await asyncio.sleep(0)
+
+    def _request(self, wakeup: Wakeup) -> NotificationRequest:
+        hash_ = wakeup.channel or wakeup.account
+        return NotificationRequest(
+            device_token=wakeup.token,
+            message=build_payload(wakeup, self.config.alert_title),
+            notification_id=apns_id(wakeup.push_id),
+            time_to_live=self.time_to_live,
+            priority=10 if wakeup.important else 5,
+            collapse_key=hash_[:6] or None,
+            push_type=PushType.ALERT if wakeup.important else PushType.BACKGROUND,
+        )
+
+    async def _send(self, client: APNs, request: NotificationRequest) -> SendResult:
+        """Send once (plus one reconnect if the connection dropped), never raising.
+
+        Not `client.send_notification`: its pool sleeps 1 s per failed connect and retries
+        5 times, which belongs to our queue's backoff instead.
+        """
+        if request.notification_id in self._in_flight:
+            # aioapns keys answers by apns-id: two live requests with one id would hang one.
+            request.notification_id = str(uuid.uuid4())
+        self._in_flight.add(request.notification_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        try:
+            for _attempt in range(2):
+                try:
+                    connection = await asyncio.wait_for(
+                        client.pool.acquire(), max(deadline - loop.time(), 0.001)
+                    )
+                except TimeoutError:
+                    return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+                except Exception as error:
+                    log.warning("APNs connection failed: %s", type(error).__name__)
+                    return SendResult(Outcome.RETRY_LATER, "NETWORK")
+                # Never cancel aioapns' send: it would later set a result on the cancelled
+                # future and kill the connection with every other request on it.
+                task = asyncio.ensure_future(connection.send_notification(request))
+                done, _ = await asyncio.wait({task}, timeout=max(deadline - loop.time(), 0))
+                if not done:
+                    task.add_done_callback(_swallow)
+                    _abort(connection)  # a silent connection is usually a dead one
+                    return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+                try:
+                    response = task.result()
+                except (ConnectionClosed, NoAvailableStreamIDError):
+                    connection.close()
+                    continue
+                except Exception as error:
+                    log.warning("APNs send failed: %s", type(error).__name__)
+                    return SendResult(Outcome.RETRY_LATER, "NETWORK")
+                return _classify_response(response)
+            return SendResult(Outcome.RETRY_LATER, "NETWORK")
+        finally:
+            self._in_flight.discard(request.notification_id)
+
+
+def _classify_response(response: NotificationResult) -> SendResult:
+    try:
+        status = int(response.status)
+    except ValueError:
+        return SendResult(Outcome.RETRY_LATER, "NETWORK")
+    return classify(status, response.description or "")
+
+
+def _abort(connection: APNsBaseClientProtocol) -> None:
+    if isinstance(connection, _EndpointProtocol):
+        connection.abort()
+    else:
+        connection.close()
+
+
+def _swallow(task: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned task's exception so asyncio does not log it."""
+    if not task.cancelled():
+        task.exception()
+
+
+__all__ = [
+    "PRODUCTION_HOST",
+    "SANDBOX_HOST",
+    "ApnsConfig",
+    "ApnsProvider",
+    "apns_id",
+    "build_payload",
+    "classify",
+    "shutdown",
+]

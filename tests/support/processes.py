@@ -1,0 +1,118 @@
+"""Running the real gateway and worker as processes of their own against the test database."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote
+
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_database_url(host: str | None = None, port: int | None = None) -> str:
+    """The URL of the database pytest-django made, optionally through another host/port."""
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    user = quote(db.get("USER") or "")
+    password = f":{quote(db['PASSWORD'])}" if db.get("PASSWORD") else ""
+    host = host or db.get("HOST") or "127.0.0.1"
+    port = port or int(db.get("PORT") or 5432)
+    return f"postgres://{user}{password}@{host}:{port}/{db['NAME']}"
+
+
+def wait_until(check: Callable[[], object], timeout: float = 15.0, interval: float = 0.1) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+class ServiceProcess:
+    """One of our own processes (gateway or worker), logging to a file the test can read."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def service_env(**overrides: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "DATABASE_URL": test_database_url(),
+            "RELAY_COMPONENT_POLL_SECONDS": "0.3",
+            "RELAY_RECONNECT_MIN_SECONDS": "0.2",
+            "RELAY_RECONNECT_MAX_SECONDS": "2",
+            "RELAY_SEND_RETRY_BASE_SECONDS": "0.2",
+            "RELAY_SEND_RETRY_MAX_SECONDS": "1",
+            "DATABASE_CONN_MAX_AGE": "600",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update(overrides)
+    return env
+
+
+def start_gateway(**env: str) -> ServiceProcess:
+    return ServiceProcess(
+        "gateway", [sys.executable, "manage.py", "run_gateway"], service_env(**env)
+    )
+
+
+def start_worker(**env: str) -> ServiceProcess:
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "pushsite",
+        "worker",
+        "--pool",
+        "threads",
+        "--concurrency",
+        "4",
+        "--loglevel",
+        "INFO",
+        "--without-heartbeat",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    return ServiceProcess("worker", argv, service_env(**env))
