@@ -61,6 +61,25 @@ def _secret_key() -> str:
 
 
 SECRET_KEY = _secret_key()
+
+
+def _credential_keys() -> list[str]:
+    """Fernet keys for credentials at rest; the first encrypts, all decrypt (rotation)."""
+    keys = env_list("CREDENTIAL_KEYS", [])
+    if keys:
+        return keys
+    if PRODUCTION:
+        raise ImproperlyConfigured("CREDENTIAL_KEYS must be set when DEPLOYMENT=production")
+    key_file = VAR_DIR / "credential_key"
+    if not key_file.exists():
+        from cryptography.fernet import Fernet
+
+        key_file.write_text(Fernet.generate_key().decode())
+        key_file.chmod(0o600)
+    return [key_file.read_text().strip()]
+
+
+CREDENTIAL_KEYS = _credential_keys()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", [] if PRODUCTION else ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 

@@ -7,10 +7,17 @@ secret that the user's server must present.
 
 from __future__ import annotations
 
+import secrets
 import uuid
 
 from django.db import models
 from django.db.models import Q
+
+from relay.crypto import EncryptedTextField
+
+
+def new_public_key() -> str:
+    return secrets.token_urlsafe(16)
 
 
 class Service(models.TextChoices):
@@ -26,6 +33,19 @@ class Tenant(models.Model):
 
     name = models.SlugField(max_length=100, unique=True)
     display_name = models.CharField(max_length=200, blank=True)
+    suspended = models.BooleanField(
+        default=False, help_text="Publishes are answered with a `wait` error; nothing is sent."
+    )
+    allowed_domains = models.TextField(
+        blank=True,
+        help_text="XMPP domains whose servers may publish, one per line; empty allows any.",
+    )
+    rate_limit_per_second = models.FloatField(
+        null=True, blank=True, help_text="Sustained publishes per second; empty uses the default."
+    )
+    rate_limit_burst = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Publishes allowed in a burst; empty uses the default."
+    )
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -40,12 +60,43 @@ class App(models.Model):
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="apps")
     name = models.SlugField(max_length=100)
-    fcm_service_account = models.TextField(
+    public_key = models.CharField(
+        max_length=32,
+        unique=True,
+        default=new_public_key,
+        help_text="Identifies the app in HTTP API URLs; not a secret.",
+    )
+    # FCM
+    fcm_service_account = EncryptedTextField(
         blank=True, help_text="The Firebase service account JSON of this app."
     )
     fcm_endpoint = models.URLField(
         blank=True, help_text="FCM base URL; empty means https://fcm.googleapis.com."
     )
+    # APNs: token auth (key) or certificate auth (certificate + private key)
+    apns_topic = models.CharField(max_length=255, blank=True, help_text="The app's bundle id.")
+    apns_sandbox = models.BooleanField(default=False)
+    apns_key = EncryptedTextField(blank=True, help_text="The .p8 signing key (token auth).")
+    apns_key_id = models.CharField(max_length=32, blank=True)
+    apns_team_id = models.CharField(max_length=32, blank=True)
+    apns_certificate = EncryptedTextField(blank=True, help_text="PEM certificate (cert auth).")
+    apns_private_key = EncryptedTextField(blank=True, help_text="PEM key of the certificate.")
+    apns_certificate_not_after = models.DateTimeField(null=True, blank=True, editable=False)
+    apns_endpoint = models.CharField(
+        max_length=255, blank=True, help_text="host[:port]; empty follows the sandbox switch."
+    )
+    apns_ca_certificate = models.TextField(
+        blank=True, help_text="PEM trust store for the APNs endpoint; empty uses the system's."
+    )
+    # WNS
+    wns_package_sid = models.CharField(max_length=255, blank=True)
+    wns_secret = EncryptedTextField(blank=True)
+    wns_token_url = models.URLField(blank=True, help_text="Empty means login.live.com.")
+    wns_channel_hosts = models.TextField(
+        blank=True, help_text="Allowed channel URI hosts, one per line; empty: *.notify.windows.com"
+    )
+    # Payload shape per provider; empty means protocols.md 1.4.
+    payload_options = models.JSONField(default=dict, blank=True)
     created = models.DateTimeField(auto_now_add=True)
     updated = models.DateTimeField(auto_now=True)
 
@@ -104,7 +155,18 @@ class Registration(models.Model):
     app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="registrations")
     component = models.ForeignKey(Component, on_delete=models.CASCADE, related_name="registrations")
     service = models.CharField(max_length=8, choices=Service.choices)
-    device_hash = models.CharField(max_length=64, help_text="sha1(bare JID + NUL + device id)")
+    wns_device = models.ForeignKey(
+        "WnsDevice",
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="registrations",
+        help_text="Set for accounts registered over the Windows (UWPX) API.",
+    )
+    device_hash = models.CharField(
+        max_length=64,
+        help_text="sha1(bare JID + NUL + device id); sha256(device id + bare JID) for UWPX",
+    )
     room_hash = models.CharField(
         max_length=64, blank=True, default="", help_text="sha1(room JID + NUL + device id)"
     )
@@ -138,6 +200,30 @@ class Registration(models.Model):
 
     def __str__(self) -> str:
         return f"{self.service}:{self.node}@{self.component_id}"
+
+
+class WnsDevice(models.Model):
+    """A Windows (UWPX-style) device registered over the HTTP API; its accounts are registrations.
+
+    The device id is the client's only capability, so only its SHA-256 is stored.
+    """
+
+    app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="wns_devices")
+    device_id_hash = models.CharField(max_length=64)
+    channel_uri = models.TextField()
+    created = models.DateTimeField(auto_now_add=True)
+    updated = models.DateTimeField(auto_now=True, help_text="Last time the client updated it.")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["app", "device_id_hash"], name="wnsdevice_unique_device_per_app"
+            )
+        ]
+        indexes = [models.Index(fields=["updated"])]
+
+    def __str__(self) -> str:
+        return f"WNS device {self.device_id_hash[:12]}"
 
 
 class Outcome(models.TextChoices):
@@ -187,3 +273,31 @@ class Delivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.provider} {self.outcome} {self.push_id}"
+
+
+class DeadLetter(models.Model):
+    """A push that ran out of retries (or could not be re-queued), kept for replay."""
+
+    push_id = models.UUIDField(unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="dead_letters")
+    app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="dead_letters")
+    registration = models.ForeignKey(
+        Registration,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="dead_letters",
+    )
+    provider = models.CharField(max_length=8, choices=Service.choices)
+    reason = models.CharField(max_length=64)
+    attempts = models.PositiveSmallIntegerField()
+    job = models.JSONField(help_text="The send job as queued: no token, JID or body.")
+    created = models.DateTimeField(auto_now_add=True)
+    replayed = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created"]
+        indexes = [models.Index(fields=["tenant", "created"])]
+
+    def __str__(self) -> str:
+        return f"{self.provider} {self.reason} {self.push_id}"
