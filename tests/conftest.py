@@ -24,3 +24,6 @@ def send_queue():
     broker.purge()
     yield broker
     broker.purge()
+
+
+pytest_plugins = ["tests.support.fixtures"]

@@ -6,6 +6,7 @@ answer `feature-not-implemented`, a hard error that makes servers drop registrat
 
 from __future__ import annotations
 
+import logging
 import secrets
 import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,7 @@ from xmppgateway.stanzas import (
     result_form,
 )
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 RunBlocking = Callable[..., Awaitable[Any]]
 
@@ -251,6 +253,11 @@ async def publish(ctx: LinkContext, sender: JID, pubsub: ET.Element) -> Answer:
         verdict = await ctx.run_blocking(publishing.accept_publish, request)
     except Unavailable:
         return error(*TRY_LATER)
+    log.log(
+        logging.DEBUG if verdict is publishing.Verdict.ACCEPTED else logging.INFO,
+        "publish.answered",
+        extra={"component_id": ctx.component.pk, "verdict": verdict.value},
+    )
     if verdict is publishing.Verdict.ACCEPTED:
         return Answer()
     if verdict is publishing.Verdict.UNKNOWN_NODE:

@@ -9,7 +9,7 @@ There is no internet here, so the real firebase-admin/google-auth clients talk t
 
 In-process: `with FakeFcm() as fake: sa = fake.service_account()`. As a process (benchmarks):
 `python -m tests.fakes.fcm --port 8089 --write-service-account /tmp/sa.json`; it is scripted
-over `POST /_fake/respond`, `POST /_fake/reset`, `GET /_fake/stats`.
+over `POST /_fake/respond`, `POST /_fake/reset`, `GET /_fake/stats`, `GET /_fake/requests`.
 
 An asyncio loop, HTTP/1.1 keep-alive, Nagle off (asyncio's default) and one write per response
 keep it at thousands of requests/s (about 4-5k/s on 2 cores with the load generator beside it).
@@ -162,7 +162,7 @@ class TokenGrant:
 @dataclass
 class _Script:
     status: int
-    body: dict[str, Any]
+    body: dict[str, Any] | list[Any]
     headers: dict[str, str]
     delay: float
     times: int | None
@@ -171,7 +171,7 @@ class _Script:
 @dataclass(frozen=True)
 class _Reply:
     status: int
-    body: dict[str, Any]
+    body: dict[str, Any] | list[Any]
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
 
@@ -426,6 +426,9 @@ class FakeFcm:
                 return self._handle_control(path, body)
         elif method == "GET" and path == "/_fake/stats":
             return _Reply(200, self.stats())
+        elif method == "GET" and path == "/_fake/requests":
+            # For benchmarks: when each token's send arrived (epoch seconds), in arrival order.
+            return _Reply(200, [{"token": r.token, "time": r.time} for r in self.requests])
         return _Reply(404, fcm_error_body(404, message="Not Found"))
 
     # --- credentials
@@ -627,6 +630,10 @@ class FakeFcm:
                 reply = _Reply(400, fcm_error_body(400, "", problem[1], problem[0]))
             else:
                 reply = self._scripted(token) or self._success(project, payload)
+                if reply.status < 300 and not reply.body:
+                    # A scripted (slow) success still names the message, as FCM does.
+                    success = self._success(project, payload)
+                    reply = _Reply(success.status, success.body, reply.headers, reply.delay)
             self._send_count += 1
             self._statuses[reply.status] += 1
             if self.record:

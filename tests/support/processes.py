@@ -116,3 +116,6 @@ def start_worker(**env: str) -> ServiceProcess:
         "--without-mingle",
     ]
     return ServiceProcess("worker", argv, service_env(**env))
+
+
+test_database_url.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test

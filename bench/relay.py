@@ -1,0 +1,276 @@
+"""End-to-end relay benchmark: publishes over a component link, through the gateway, the
+broker and the workers, to a fake FCM. Prints and writes (bench/results/relay.json):
+pushes per second end to end, and p50/p95/p99 latency from publish to iq result and from
+publish to the FCM request.
+
+Run with `make bench` (PostgreSQL and Redis on loopback). Options: --pushes, --window,
+--workers, --concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BENCH_DB = "relay_bench"
+RESULTS = ROOT / "bench" / "results"
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p95": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 2)
+
+    return {
+        "p50": at(0.50),
+        "p95": at(0.95),
+        "p99": at(0.99),
+        "mean": round(statistics.fmean(ordered) * 1000, 2),
+    }
+
+
+def prepare_database(admin_url: str) -> str:
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {BENCH_DB}")
+    return admin_url.rsplit("/", 1)[0] + f"/{BENCH_DB}"
+
+
+def wait_http(url: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--pushes", type=int, default=5000)
+    parser.add_argument("--window", type=int, default=256, help="publishes in flight")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes")
+    parser.add_argument("--concurrency", type=int, default=32, help="threads per worker")
+    parser.add_argument("--gateway-threads", type=int, default=16)
+    args = parser.parse_args()
+
+    admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
+    broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
+    database_url = prepare_database(admin_url)
+    os.environ.update({"DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url})
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    from relay.identifiers import new_node, new_secret
+    from relay.models import App, Component, Registration, Service, Tenant
+    from tests.support import broker
+
+    broker.purge()
+    workdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
+    fake_port = int(os.environ.get("BENCH_FAKE_PORT", "18089"))
+    fake_url = f"http://127.0.0.1:{fake_port}"
+    sa_path = workdir / "sa.json"
+    fake = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.fakes.fcm",
+            "--port",
+            str(fake_port),
+            "--project",
+            "bench",
+            "--write-service-account",
+            str(sa_path),
+            "--record",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    processes: list[subprocess.Popen[bytes]] = [fake]
+    try:
+        wait_http(f"{fake_url}/_fake/stats")
+        while not sa_path.exists():
+            time.sleep(0.05)
+        tenant = Tenant.objects.create(name="bench")
+        app = App.objects.create(
+            tenant=tenant,
+            name="bench",
+            fcm_service_account=sa_path.read_text(),
+            fcm_endpoint=fake_url,
+        )
+
+        from bench.component_server import ComponentServer
+
+        async def run() -> dict[str, object]:
+            server = ComponentServer("push.bench", "bench-secret")
+            await server.start()
+            component = await asyncio.to_thread(
+                Component.objects.create,
+                tenant=tenant,
+                app=app,
+                jid="push.bench",
+                secret="bench-secret",
+                host="127.0.0.1",
+                port=server.port,
+            )
+            registrations = [
+                Registration(
+                    app=app,
+                    component=component,
+                    service=Service.FCM,
+                    device_hash=f"{i:040x}",
+                    account_domain="localhost",
+                    token=f"bench-token-{i}",
+                    node=new_node(),
+                    secret=new_secret(),
+                )
+                for i in range(args.pushes)
+            ]
+            await asyncio.to_thread(
+                Registration.objects.bulk_create, registrations, batch_size=2000
+            )
+            env = dict(
+                os.environ,
+                RELAY_GATEWAY_THREADS=str(args.gateway_threads),
+                RELAY_COMPONENT_POLL_SECONDS="0.5",
+            )
+            processes.append(
+                subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
+            )
+            for _ in range(args.workers):
+                processes.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "celery",
+                            "-A",
+                            "pushsite",
+                            "worker",
+                            "--pool",
+                            "threads",
+                            "--concurrency",
+                            str(args.concurrency),
+                            "--loglevel",
+                            "WARNING",
+                            "--without-gossip",
+                            "--without-mingle",
+                            "--without-heartbeat",
+                        ],
+                        cwd=ROOT,
+                        env=env,
+                    )
+                )
+            await server.wait_connected(timeout=30)
+            # Warm up: a few pushes so connections, OAuth token and caches exist.
+            warm = registrations[:20]
+            await server.publish_all(
+                [(f"warm-{i}", r.node, r.secret) for i, r in enumerate(warm)], window=20, timeout=60
+            )
+            await asyncio.to_thread(wait_fake_count, fake_url, len(warm), 60)
+            server.sent_at.clear()
+            server.answered_at.clear()
+            started_wall = time.time()
+            started = time.perf_counter()
+            batch = [(f"p-{i}", r.node, r.secret) for i, r in enumerate(registrations)]
+            await server.publish_all(batch, window=args.window, timeout=600)
+            answered = time.perf_counter()
+            total_expected = len(warm) + len(batch)
+            await asyncio.to_thread(wait_fake_count, fake_url, total_expected, 600)
+            finished = time.perf_counter()
+            records = fetch_fake_records(fake_url)
+            await server.close()
+            send_wall = {
+                f"p-{i}": started_wall + (server.sent_at[f"p-{i}"] - started)
+                for i in range(len(batch))
+            }
+            to_fcm = []
+            for record in records:
+                token = record["token"] or ""
+                if token.startswith("bench-token-"):
+                    iq_id = f"p-{token.rsplit('-', 1)[1]}"
+                    if iq_id in send_wall:
+                        to_fcm.append(record["time"] - send_wall[iq_id])
+            to_result = [server.answered_at[k] - server.sent_at[k] for k in server.answered_at]
+            errors = sum(1 for t in server.answer_types.values() if t != "result")
+            return {
+                "pushes": len(batch),
+                "publish_errors": errors,
+                "publishes_per_second_answered": round(len(batch) / (answered - started), 1),
+                "pushes_per_second_end_to_end": round(len(batch) / (finished - started), 1),
+                "latency_ms_publish_to_result": percentiles(to_result),
+                "latency_ms_publish_to_fcm": percentiles(to_fcm),
+            }
+
+        results = asyncio.run(run())
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    results.update(
+        {
+            "benchmark": "relay",
+            "window": args.window,
+            "workers": args.workers,
+            "worker_threads": args.concurrency,
+            "gateway_threads": args.gateway_threads,
+            "database": "postgresql",
+            "broker": broker_url.split(":", 1)[0],
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        }
+    )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "relay.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+def wait_fake_count(fake_url: str, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = json.loads(urllib.request.urlopen(f"{fake_url}/_fake/stats", timeout=5).read())
+        if stats.get("sends", 0) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fake FCM saw {stats.get('sends')} of {count} sends")
+        time.sleep(0.05)
+
+
+def fetch_fake_records(fake_url: str) -> list[dict[str, object]]:
+    return json.loads(urllib.request.urlopen(f"{fake_url}/_fake/requests", timeout=30).read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The XMPP-server end of an XEP-0114 link, driven by a test.
+
+Real servers only publish well-formed stanzas from their own domain; to see how the gateway
+answers hostile or odd stanzas from a server (missing node, full-JID senders, huge fields,
+unexpected iq types) a test plays the server itself: it accepts the gateway's component
+connection, checks the handshake, sends raw stanzas and reads the answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import socket
+import threading
+import xml.etree.ElementTree as ET
+
+STREAM_NS = "http://etherx.jabber.org/streams"
+ACCEPT_NS = "jabber:component:accept"
+STANZAS_NS = "urn:ietf:params:xml:ns:xmpp-stanzas"
+
+
+class FakeXmppServer:
+    """Accepts component connections on 127.0.0.1 and records every stanza they send."""
+
+    def __init__(self, component_jid: str, secret: str) -> None:
+        self.component_jid = component_jid
+        self.secret = secret
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._cond = threading.Condition()
+        self.stanzas: list[ET.Element] = []
+        self.connections = 0
+        self.handshakes_refused = 0
+        self._conn: socket.socket | None = None
+        self._closed = False
+        threading.Thread(target=self._accept_loop, daemon=True).start()
+
+    # --- serving
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        parser = ET.XMLPullParser(("start", "end"))
+        stream_id = secrets.token_hex(8)
+        depth = 0
+        try:
+            while data := conn.recv(65536):
+                parser.feed(data)
+                for event, element in parser.read_events():
+                    if event == "start":
+                        depth += 1
+                        if depth == 1:
+                            conn.sendall(
+                                (
+                                    f"<?xml version='1.0'?><stream:stream "
+                                    f"xmlns:stream='{STREAM_NS}' xmlns='{ACCEPT_NS}' "
+                                    f"from='{self.component_jid}' id='{stream_id}'>"
+                                ).encode()
+                            )
+                        continue
+                    depth -= 1
+                    if depth != 1:
+                        continue
+                    if element.tag == f"{{{ACCEPT_NS}}}handshake":
+                        expected = hashlib.sha1((stream_id + self.secret).encode()).hexdigest()
+                        if (element.text or "").strip() != expected:
+                            conn.sendall(
+                                b"<stream:error><not-authorized "
+                                b"xmlns='urn:ietf:params:xml:ns:xmpp-streams'/></stream:error>"
+                                b"</stream:stream>"
+                            )
+                            with self._cond:
+                                self.handshakes_refused += 1
+                                self._cond.notify_all()
+                            return
+                        conn.sendall(b"<handshake/>")
+                        with self._cond:
+                            self._conn = conn
+                            self.connections += 1
+                            self._cond.notify_all()
+                    else:
+                        with self._cond:
+                            self.stanzas.append(element)
+                            self._cond.notify_all()
+        except (OSError, ET.ParseError):
+            pass  # the connection ends; the gateway is expected to reconnect
+        finally:
+            with self._cond:
+                if self._conn is conn:
+                    self._conn = None
+                self._cond.notify_all()
+            conn.close()
+
+    # --- driving
+
+    def wait_connected(self, timeout: float = 15.0, *, count: int = 1) -> None:
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._conn is not None and self.connections >= count, timeout
+            ):
+                raise TimeoutError("the gateway did not connect")
+
+    def send(self, xml: str | bytes) -> None:
+        with self._cond:
+            conn = self._conn
+        if conn is None:
+            raise ConnectionError("no component connected")
+        conn.sendall(xml if isinstance(xml, bytes) else xml.encode())
+
+    def reply_to(self, iq_id: str, timeout: float = 10.0) -> ET.Element:
+        def find() -> ET.Element | None:
+            for stanza in self.stanzas:
+                if stanza.get("id") == iq_id:
+                    return stanza
+            return None
+
+        with self._cond:
+            if not self._cond.wait_for(lambda: find() is not None, timeout):
+                raise TimeoutError(f"no answer to iq {iq_id!r}")
+            found = find()
+        assert found is not None
+        return found
+
+    def request(self, xml: str, iq_id: str, timeout: float = 10.0) -> ET.Element:
+        self.send(xml)
+        return self.reply_to(iq_id, timeout)
+
+    def drop_connection(self) -> None:
+        with self._cond:
+            conn = self._conn
+        if conn is not None:
+            conn.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        self.drop_connection()
+        self._listener.close()
+
+
+def error_of(stanza: ET.Element) -> tuple[str, str] | None:
+    """(type, condition) of an error reply, or None for a result."""
+    if stanza.get("type") != "error":
+        return None
+    error = next((child for child in stanza if child.tag.endswith("}error")), None)
+    if error is None:
+        return ("", "")
+    conditions = [
+        child.tag.split("}", 1)[1]
+        for child in error
+        if child.tag.startswith(f"{{{STANZAS_NS}}}") and not child.tag.endswith("}text")
+    ]
+    return (error.get("type", ""), conditions[0] if conditions else "")

@@ -1,0 +1,243 @@
+"""The relay end to end, with real Prosody and ejabberd, our gateway and worker processes,
+and the real firebase-admin client talking to a fake FCM.
+
+A test user registers with the component by ad-hoc command (as Conversations does), enables
+push on its own server, goes away, and another user writes to it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from urllib.parse import urlsplit
+
+import pytest
+from django.conf import settings
+
+from relay.identifiers import account_hash
+from relay.models import App, Component, ComponentLink, Delivery, Registration, Tenant
+from tests.fakes.fcm import FakeFcm
+from tests.support.processes import start_gateway, start_worker, test_database_url, wait_until
+from tests.support.proxy import TcpProxy
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DEVICE_ID = "92afd7a91cdba9a0"
+
+
+@pytest.fixture
+def fake_fcm():
+    with FakeFcm() as fake:
+        yield fake
+
+
+class Relay:
+    """Our service attached to one real XMPP server."""
+
+    def __init__(self, server, fake_fcm, gateway_env=None):
+        component_jid, secret = server.components[0]
+        tenant = Tenant.objects.create(name="acme")
+        self.app = App.objects.create(
+            tenant=tenant,
+            name="conversations",
+            fcm_service_account=json.dumps(fake_fcm.service_account()),
+            fcm_endpoint=fake_fcm.url,
+        )
+        self.component = Component.objects.create(
+            tenant=tenant,
+            app=self.app,
+            jid=component_jid,
+            secret=secret,
+            host="127.0.0.1",
+            port=server.component_port,
+        )
+        self.server = server
+        self.fake = fake_fcm
+        self.gateway = start_gateway(**(gateway_env or {}))
+        self.worker = start_worker()
+        wait_until(
+            lambda: ComponentLink.objects.filter(component=self.component, state="up").exists(),
+            timeout=30,
+        )
+
+    def stop(self):
+        codes = (self.gateway.stop(), self.worker.stop())
+        assert codes[0] == 0, self.gateway.log_text()[-3000:]
+
+    def register(self, client, token, *, device_id=DEVICE_ID, node="register-push-fcm"):
+        reply = client.execute_command(
+            self.component.jid, node, {"token": token, "device-id": device_id}
+        )
+        command = reply.find("{http://jabber.org/protocol/commands}command")
+        assert command is not None and command.get("status") == "completed", reply
+        values = {
+            field.get("var"): field.findtext("{jabber:x:data}value")
+            for field in command.iter("{jabber:x:data}field")
+        }
+        assert values["jid"] == self.component.jid
+        return values["node"], values["secret"]
+
+    def verdicts(self, verdict):
+        return self.gateway.log_text().count(f'"verdict": "{verdict}"')
+
+
+@pytest.fixture
+def relay_on(fake_fcm):
+    relays = []
+
+    def make(server, **gateway_env):
+        relay = Relay(server, fake_fcm, gateway_env)
+        relays.append(relay)
+        return relay
+
+    yield make
+    for relay in relays:
+        relay.stop()
+
+
+def enable(client, relay, node, secret):
+    reply = client.enable_push(relay.component.jid, node, secret)
+    assert reply.get("type") == "result", reply
+
+
+@pytest.mark.parametrize("away", ["hibernated", "offline"])
+def test_a_message_to_an_absent_user_wakes_the_phone_once(
+    xmpp_server, relay_on, xmpp_client_factory, away
+):
+    relay = relay_on(xmpp_server)
+    phone = xmpp_client_factory(xmpp_server, "phone")
+    friend = xmpp_client_factory(xmpp_server, "friend")
+    token = f"fcm-token-{away}-{xmpp_server.kind}"
+    node, secret = relay.register(phone, token)
+    enable(phone, relay, node, secret)
+    if away == "hibernated":
+        phone.abort()
+    else:
+        phone.disconnect()
+    friend.send_message(phone.bare_jid, "hello, are you there?")
+
+    [request] = relay.fake.wait_for_requests(1, timeout=30)
+    time.sleep(2)  # nothing more may follow for one message
+    sent = relay.fake.requests_for(token)
+    assert len(sent) == 1
+    message = request.message
+    assert message["token"] == token
+    assert message["data"] == {"account": account_hash(phone.bare_jid, DEVICE_ID)}
+    assert message["android"]["priority"] == "high"
+    assert "hello" not in repr(message)
+
+    delivery = wait_until(lambda: Delivery.objects.filter(outcome="delivered").first())
+    assert delivery.provider == "fcm" and delivery.priority == "high"
+    assert delivery.publishing_domain == xmpp_server.domain
+    registration = Registration.objects.get(node=node)
+    assert registration.account_domain == xmpp_server.domain
+    assert phone.bare_jid not in repr(Registration.objects.values().get(node=node))
+
+
+def test_a_wrong_secret_sends_nothing(xmpp_server, relay_on, xmpp_client_factory):
+    relay = relay_on(xmpp_server)
+    phone = xmpp_client_factory(xmpp_server, "phone")
+    friend = xmpp_client_factory(xmpp_server, "friend")
+    node, _secret = relay.register(phone, "fcm-token-wrong-secret")
+    enable(phone, relay, node, "not-the-secret")
+    phone.disconnect()
+    friend.send_message(phone.bare_jid, "hello")
+    wait_until(lambda: relay.verdicts("forbidden") >= 1, timeout=20)
+    assert relay.fake.send_count == 0
+    assert not Delivery.objects.exists()
+
+
+def test_an_unknown_node_is_item_not_found(ejabberd, relay_on, xmpp_client_factory):
+    relay = relay_on(ejabberd)
+    phone = xmpp_client_factory(ejabberd, "phone")
+    friend = xmpp_client_factory(ejabberd, "friend")
+    enable(phone, relay, "no-such-node", "whatever")
+    phone.disconnect()
+    friend.send_message(phone.bare_jid, "one")
+    wait_until(lambda: relay.verdicts("unknown-node") >= 1, timeout=20)
+    friend.send_message(phone.bare_jid, "two")
+    time.sleep(2)
+    # ejabberd dropped the registration after our item-not-found: no second publish came.
+    assert relay.verdicts("unknown-node") == 1
+    assert relay.fake.send_count == 0
+
+
+def test_a_dead_token_ends_the_registration_on_the_users_server(
+    ejabberd, relay_on, xmpp_client_factory
+):
+    relay = relay_on(ejabberd)
+    phone = xmpp_client_factory(ejabberd, "phone")
+    friend = xmpp_client_factory(ejabberd, "friend")
+    token = "fcm-token-uninstalled"
+    relay.fake.respond(token, status=404, error_code="UNREGISTERED")
+    node, secret = relay.register(phone, token)
+    enable(phone, relay, node, secret)
+    phone.disconnect()
+
+    friend.send_message(phone.bare_jid, "one")
+    relay.fake.wait_for_requests(1, timeout=30)
+    wait_until(lambda: Registration.objects.get(node=node).dead_since is not None)
+    assert Delivery.objects.get().outcome == "dead_token"
+
+    friend.send_message(phone.bare_jid, "two")
+    wait_until(lambda: relay.verdicts("unknown-node") >= 1, timeout=20)
+    friend.send_message(phone.bare_jid, "three")
+    time.sleep(2)
+    assert relay.verdicts("unknown-node") == 1  # ejabberd stopped publishing to it
+    assert relay.fake.send_count == 1
+
+
+def test_a_dead_token_makes_prosody_disable_push(
+    xmpp_server_factory, relay_on, xmpp_client_factory
+):
+    prosody = xmpp_server_factory("prosody", push_max_errors=1)
+    relay = relay_on(prosody)
+    phone = xmpp_client_factory(prosody, "phone")
+    friend = xmpp_client_factory(prosody, "friend")
+    token = "fcm-token-gone"
+    relay.fake.respond(token, status=404, error_code="UNREGISTERED")
+    node, secret = relay.register(phone, token)
+    enable(phone, relay, node, secret)
+    phone.disconnect()
+    friend.send_message(phone.bare_jid, "one")
+    wait_until(lambda: Registration.objects.get(node=node).dead_since is not None, timeout=30)
+    friend.send_message(phone.bare_jid, "two")
+    wait_until(lambda: relay.verdicts("unknown-node") >= 1, timeout=20)
+    prosody.wait_for_log("Disabling push notifications", timeout=10)
+
+
+def _through(proxy_target: tuple[str, int]) -> TcpProxy:
+    return TcpProxy(*proxy_target)
+
+
+@pytest.mark.parametrize("outage", ["database", "broker"])
+def test_an_outage_answers_wait_and_ejabberd_keeps_the_registration(
+    ejabberd, relay_on, xmpp_client_factory, outage
+):
+    if outage == "database":
+        db = settings.DATABASES["default"]
+        proxy = _through((db.get("HOST") or "127.0.0.1", int(db.get("PORT") or 5432)))
+        env = {"DATABASE_URL": test_database_url(host="127.0.0.1", port=proxy.port)}
+    else:
+        url = urlsplit(settings.CELERY_BROKER_URL)
+        proxy = _through((url.hostname or "127.0.0.1", url.port or 6379))
+        env = {"CELERY_BROKER_URL": f"redis://127.0.0.1:{proxy.port}{url.path}"}
+    try:
+        relay = relay_on(ejabberd, **env)
+        phone = xmpp_client_factory(ejabberd, "phone")
+        friend = xmpp_client_factory(ejabberd, "friend")
+        token = f"fcm-token-outage-{outage}"
+        node, secret = relay.register(phone, token)
+        enable(phone, relay, node, secret)
+        phone.disconnect()
+
+        proxy.cut()
+        friend.send_message(phone.bare_jid, "during the outage")
+        wait_until(lambda: relay.verdicts("unavailable") >= 1, timeout=20)
+        proxy.restore()
+        time.sleep(1)
+        friend.send_message(phone.bare_jid, "after the outage")
+        [request] = relay.fake.wait_for_requests(1, timeout=30)
+        assert request.token == token
+    finally:
+        proxy.close()

@@ -1,0 +1,77 @@
+"""Outages of the database and the broker: the publish answer must be `wait`, and recover.
+
+These need servers to take away (PostgreSQL and Redis, as CI runs them), so they are not part
+of the embedded-defaults run, where the database and the broker are files.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import pytest
+from django.conf import settings
+
+from relay.models import Service
+from relay.services.registrations import register_device
+from tests.support import broker
+from tests.support.component_server import FakeXmppServer, error_of
+from tests.support.processes import start_gateway, test_database_url, wait_until
+from tests.support.proxy import TcpProxy
+from tests.test_gateway_stanzas import COMPONENT, SECRET, Lab, make_component
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _proxied_database_url(proxy: TcpProxy) -> str:
+    return test_database_url(host="127.0.0.1", port=proxy.port)
+
+
+def test_database_outage_answers_wait_and_recovers(transactional_db):
+    db = settings.DATABASES["default"]
+    proxy = TcpProxy(db.get("HOST") or "127.0.0.1", int(db.get("PORT") or 5432))
+    server = FakeXmppServer(COMPONENT, SECRET)
+    component = make_component(server.port)
+    registration = register_device(
+        component=component, service=Service.FCM, bare_jid="a@localhost", device_id="d", token="t"
+    )
+    broker.purge()
+    gateway = start_gateway(DATABASE_URL=_proxied_database_url(proxy))
+    try:
+        server.wait_connected()
+        lab = Lab(server, gateway, component, registration)
+        assert lab.publish().get("type") == "result"
+        proxy.cut()
+        assert error_of(lab.publish()) == ("wait", "internal-server-error")
+        proxy.restore()
+        wait_until(lambda: lab.publish().get("type") == "result", timeout=20, interval=0.5)
+    finally:
+        assert gateway.stop() == 0
+        server.close()
+        proxy.close()
+        broker.purge()
+
+
+def test_broker_outage_answers_wait_and_recovers(transactional_db):
+    url = urlsplit(settings.CELERY_BROKER_URL)
+    proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 6379)
+    server = FakeXmppServer(COMPONENT, SECRET)
+    component = make_component(server.port)
+    registration = register_device(
+        component=component, service=Service.FCM, bare_jid="a@localhost", device_id="d", token="t"
+    )
+    broker.purge()
+    gateway = start_gateway(CELERY_BROKER_URL=f"redis://127.0.0.1:{proxy.port}{url.path}")
+    try:
+        server.wait_connected()
+        lab = Lab(server, gateway, component, registration)
+        assert lab.publish().get("type") == "result"
+        proxy.cut()
+        assert error_of(lab.publish()) == ("wait", "internal-server-error")
+        proxy.restore()
+        wait_until(lambda: lab.publish().get("type") == "result", timeout=20, interval=0.5)
+        assert len(broker.queued_jobs()) >= 2
+    finally:
+        assert gateway.stop() == 0
+        server.close()
+        proxy.close()
+        broker.purge()
