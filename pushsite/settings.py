@@ -84,12 +84,14 @@ ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", [] if PRODUCTION else ["localhost", "1
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    # The admin with the relay's site (throttled login, health and usage pages).
+    "relay.admin_apps.RelayAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "ninja",  # serves the API docs' assets itself (no CDN)
     "relay",
     "xmppgateway",
 ]
@@ -173,6 +175,11 @@ if PRODUCTION:
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
 SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_HTTPONLY = True
+CSRF_COOKIE_SAMESITE = "Lax"
+# An admin session ends with the browser, and after SESSION_COOKIE_AGE at the latest.
+SESSION_EXPIRE_AT_BROWSER_CLOSE = env_bool("SESSION_EXPIRE_AT_BROWSER_CLOSE", True)
 SESSION_COOKIE_AGE = env_int("SESSION_COOKIE_AGE", 8 * 3600)
 X_FRAME_OPTIONS = "DENY"
 SECURE_CONTENT_TYPE_NOSNIFF = True
@@ -230,6 +237,99 @@ RELAY = {
     "SEND_MAX_AGE_SECONDS": env_float("RELAY_SEND_MAX_AGE_SECONDS", 3600.0),
     # HTTP timeout towards the push providers (seconds).
     "PROVIDER_TIMEOUT_SECONDS": env_float("RELAY_PROVIDER_TIMEOUT_SECONDS", 10.0),
+    # Delivery engine (relay/services/delivery.py, throttling.py, providers/limits.py).
+    # A quota error (FCM QUOTA_EXCEEDED, HTTP 429) without Retry-After waits at least this.
+    "SEND_QUOTA_MIN_SECONDS": env_float("RELAY_SEND_QUOTA_MIN_SECONDS", 60.0),
+    # At most one send per registration per window; later publishes fold into one delayed
+    # send at the window's end (0 disables coalescing).
+    "COALESCE_SECONDS": env_float("RELAY_COALESCE_SECONDS", 2.0),
+    # Per-tenant token bucket for publishes, unless the tenant sets its own (0: no limit).
+    "TENANT_RATE_PER_SECOND": env_float("RELAY_TENANT_RATE_PER_SECOND", 500.0),
+    "TENANT_RATE_BURST": env_int("RELAY_TENANT_RATE_BURST", 5000),
+    # Sends in flight per provider in one worker process; excess waits, then retries later.
+    "MAX_IN_FLIGHT_PER_PROVIDER": env_int("RELAY_MAX_IN_FLIGHT_PER_PROVIDER", 100),
+    "IN_FLIGHT_WAIT_SECONDS": env_float("RELAY_IN_FLIGHT_WAIT_SECONDS", 2.0),
+    # Where coalescing windows and token buckets live, shared by gateways and workers:
+    # redis://... (needed when they run on several hosts), or sqlite:///path (one host).
+    "STATE_URL": os.environ.get("RELAY_STATE_URL")
+    or (
+        CELERY_BROKER_URL
+        if CELERY_BROKER_URL.startswith(("redis://", "rediss://"))
+        else f"sqlite:///{VAR_DIR / 'relay-state.sqlite3'}"
+    ),
+    # Admin login: refused for LOGIN_LOCKOUT_SECONDS after this many failures for one
+    # username (or ten times as many from one address). Behind a trusted proxy, set
+    # RELAY_TRUST_X_FORWARDED_FOR=1 so the address is the client's, not the proxy's.
+    "LOGIN_MAX_FAILURES": env_int("RELAY_LOGIN_MAX_FAILURES", 5),
+    "LOGIN_MAX_FAILURES_PER_ADDRESS": env_int("RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS", 50),
+    "LOGIN_LOCKOUT_SECONDS": env_int("RELAY_LOGIN_LOCKOUT_SECONDS", 900),
+    "TRUST_X_FORWARDED_FOR": env_bool("RELAY_TRUST_X_FORWARDED_FOR", False),
+    # WNS: where channel URIs may point and where tokens come from, unless an app says otherwise.
+    "WNS_CHANNEL_HOSTS": env_list("RELAY_WNS_CHANNEL_HOSTS", ["*.notify.windows.com"]),
+    "WNS_TOKEN_URL": os.environ.get("RELAY_WNS_TOKEN_URL")
+    or "https://login.live.com/accesstoken.srf",
+}
+
+def env_rate(name: str, default: str) -> tuple[int, float]:
+    """A rate limit written "count/seconds" (e.g. "60/60"); a count of 0 turns it off."""
+    count, _, seconds = (os.environ.get(name) or default).partition("/")
+    return int(count), float(seconds or 60)
+
+
+# --- Windows (UWPX-style) clients: the JSON API and the TLS listener (docs/windows-api.md).
+RELAY.update(
+    {
+        # Devices (and their accounts) not updated by their client for this many days are
+        # removed by the beat task relay.remove_stale_uwpx_devices (0 keeps them forever).
+        "UWPX_STALE_DAYS": env_float("RELAY_UWPX_STALE_DAYS", 45.0),
+        "UWPX_MAX_ACCOUNTS": env_int("RELAY_UWPX_MAX_ACCOUNTS", 32),
+        "UWPX_MAX_BODY_BYTES": env_int("RELAY_UWPX_MAX_BODY_BYTES", 32 * 1024),
+        # Requests per client address, per device id, and test pushes per device id.
+        "UWPX_RATE_LIMIT_ADDRESS": env_rate("RELAY_UWPX_RATE_LIMIT_ADDRESS", "120/60"),
+        "UWPX_RATE_LIMIT_DEVICE": env_rate("RELAY_UWPX_RATE_LIMIT_DEVICE", "30/60"),
+        "UWPX_RATE_LIMIT_TEST_PUSH": env_rate("RELAY_UWPX_RATE_LIMIT_TEST_PUSH", "5/600"),
+        # Reverse proxies in front of the web process: the client address is taken from
+        # X-Forwarded-For, this many entries from the right (0: the socket's peer address).
+        "API_TRUSTED_PROXIES": env_int("RELAY_API_TRUSTED_PROXIES", 0),
+    }
+)
+# The NUL-framed JSON-over-TLS listener that unmodified UWPX clients dial (port 1997).
+UWPX_LISTEN_ADDRESS = os.environ.get("UWPX_LISTEN_ADDRESS", "127.0.0.1")
+UWPX_LISTEN_PORT = env_int("UWPX_LISTEN_PORT", 1997)
+UWPX_LISTEN_APP = os.environ.get("UWPX_LISTEN_APP", "")  # the app's public key
+UWPX_TLS_CERT_FILE = os.environ.get("UWPX_TLS_CERT_FILE", "")  # PEM chain
+UWPX_TLS_KEY_FILE = os.environ.get("UWPX_TLS_KEY_FILE", "")
+
+# --- Cache: the API's rate-limit counters, shared by every web and listener process.
+# CACHE_URL=redis://host:6379/1 for several hosts; by default a folder under VAR_DIR.
+CACHE_URL = os.environ.get("CACHE_URL", "")
+if CACHE_URL.startswith(("redis://", "rediss://")):
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": CACHE_URL,
+            "KEY_PREFIX": "relay",
+            "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
+        }
+    }
+else:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "LOCATION": str(VAR_DIR / "cache"),
+            # incr() rewrites an entry with this timeout: longer than any rate-limit window.
+            "TIMEOUT": 3600,
+            "OPTIONS": {"MAX_ENTRIES": 5000},
+        }
+    }
+
+# --- Celery beat: periodic housekeeping (`celery -A pushsite beat`, see the Procfile).
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+CELERY_BEAT_SCHEDULE = {
+    "remove-stale-uwpx-devices": {
+        "task": "relay.remove_stale_uwpx_devices",
+        "schedule": env_float("RELAY_UWPX_STALE_CHECK_SECONDS", 6 * 3600.0),
+    },
 }
 
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()

@@ -2,9 +2,12 @@ from django.contrib import admin
 from django.urls import path
 
 from relay import views
+from relay.api.views import api as api_v1
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
+    # /api/v1/openapi.json is the schema, /api/v1/docs the interactive docs.
+    path("api/v1/", api_v1.urls),
 ]

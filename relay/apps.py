@@ -4,3 +4,6 @@ from django.apps import AppConfig
 class RelayConfig(AppConfig):
     name = "relay"
     verbose_name = "Push relay"
+
+    def ready(self) -> None:
+        from relay import checks  # noqa: F401 -- registers the system checks

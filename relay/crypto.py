@@ -61,13 +61,30 @@ def needs_rotation(stored: str) -> bool:
     return False
 
 
+class UnreadableCredential(str):
+    """A stored value no configured key decrypts; it holds the stored (encrypted) text.
+
+    Loading a row must not crash because of one such value (the admin list, the app's other
+    providers would go down with it). The credentials service refuses to use it, and saving
+    the row back writes the same ciphertext unchanged.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<UnreadableCredential>"
+
+
 class EncryptedTextField(models.TextField):
     """A text field stored encrypted; Python code only ever sees the plain value."""
 
     def from_db_value(self, value: str | None, expression: Any, connection: Any) -> str | None:
         if value is None:
             return value
-        return decrypt(value)
+        try:
+            return decrypt(value)
+        except CredentialKeyError:
+            return UnreadableCredential(value)
 
     def get_prep_value(self, value: Any) -> Any:
         value = super().get_prep_value(value)

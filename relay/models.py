@@ -261,6 +261,9 @@ class Delivery(models.Model):
     attempts = models.PositiveSmallIntegerField(default=1)
     outcome = models.CharField(max_length=16, choices=Outcome.choices)
     error_code = models.CharField(max_length=64, blank=True)
+    coalesced = models.PositiveIntegerField(
+        default=0, help_text="Later publishes folded into this send by burst coalescing."
+    )
 
     class Meta:
         ordering = ["-received"]
@@ -301,3 +304,23 @@ class DeadLetter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.provider} {self.reason} {self.push_id}"
+
+
+class TenantStaffGroup(models.Model):
+    """Binds an auth group to a tenant: the group's members are that tenant's own staff.
+
+    In the admin they see and change only their tenant's objects; every other staff user is
+    the operator's and sees everything their permissions allow.
+    """
+
+    group = models.OneToOneField(
+        "auth.Group", on_delete=models.CASCADE, related_name="tenant_binding"
+    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="staff_groups")
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "tenant staff group"
+
+    def __str__(self) -> str:
+        return f"{self.group.name} → {self.tenant}"

@@ -63,6 +63,7 @@ ITEM_NOT_FOUND = "item-not-found", "cancel"
 FORBIDDEN = "forbidden", "auth"
 SERVICE_UNAVAILABLE = "service-unavailable", "cancel"
 TRY_LATER = "internal-server-error", "wait"
+SLOW_DOWN = "resource-constraint", "wait"  # the tenant's rate limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +265,8 @@ async def publish(ctx: LinkContext, sender: JID, pubsub: ET.Element) -> Answer:
         return error(*ITEM_NOT_FOUND)
     if verdict is publishing.Verdict.FORBIDDEN:
         return error(*FORBIDDEN)
+    if verdict is publishing.Verdict.RATE_LIMITED:
+        return error(*SLOW_DOWN)
     return error(*TRY_LATER)
 
 

@@ -48,6 +48,7 @@ from h2.exceptions import NoAvailableStreamIDError
 
 from relay.models import Outcome
 from relay.providers.base import SendResult, Wakeup
+from relay.providers.payloads import ApnsPayload
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ T = TypeVar("T")
 PRODUCTION_HOST = "api.push.apple.com"
 SANDBOX_HOST = "api.sandbox.push.apple.com"
 DEFAULT_PORT = 443
+DEFAULT_PAYLOAD = ApnsPayload()
 
 _PEM_BLOCK = re.compile(r"-----BEGIN ([A-Z0-9 ]+)-----.+?-----END \1-----", re.DOTALL)
 _HEX_TOKEN = re.compile(r"[0-9A-Fa-f]{16,200}")
@@ -222,16 +224,29 @@ def classify(status: int, reason: str) -> SendResult:
     return SendResult(Outcome.FAILED, code)
 
 
-def build_payload(wakeup: Wakeup, alert_title: str = "New message") -> dict[str, Any]:
-    """§1.4: a generic alert for important pushes, else a silent background wake-up."""
+def build_payload(
+    wakeup: Wakeup, alert_title: str = "New message", options: ApnsPayload | None = None
+) -> dict[str, Any]:
+    """§1.4: a generic alert for important pushes, else a silent background wake-up; the
+    app's payload options may rename the hash keys, add the push id or change the alert."""
+    options = options or DEFAULT_PAYLOAD
     aps: dict[str, Any]
     if wakeup.important:
-        aps = {"alert": {"title": alert_title}, "sound": "default"}
+        alert = {"title": options.alert_title or alert_title}
+        if options.alert_body:
+            alert["body"] = options.alert_body
+        aps = {"alert": alert}
+        if options.sound:
+            aps["sound"] = options.sound
+        if options.mutable_content:
+            aps["mutable-content"] = 1
     else:
         aps = {"content-available": 1}
-    payload: dict[str, Any] = {"aps": aps, "account": wakeup.account}
+    payload: dict[str, Any] = {"aps": aps, options.account_key: wakeup.account}
     if wakeup.channel:
-        payload["channel"] = wakeup.channel
+        payload[options.channel_key] = wakeup.channel
+    if options.push_id_key:
+        payload[options.push_id_key] = wakeup.push_id
     return payload
 
 
@@ -393,6 +408,7 @@ class ApnsProvider:
         *,
         timeout: float | None = None,
         time_to_live: int | None = None,
+        payload: ApnsPayload | None = None,
     ) -> None:
         """`timeout` defaults to RELAY["PROVIDER_TIMEOUT_SECONDS"]; `time_to_live` (seconds)
         sets apns-expiration so Apple drops a wake-up that could not reach the phone in time."""
@@ -402,6 +418,7 @@ class ApnsProvider:
 
             timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
         self.config = config
+        self.payload = payload or DEFAULT_PAYLOAD
         self.timeout = timeout
         self.time_to_live = time_to_live
         self._lock = threading.Lock()
@@ -487,7 +504,7 @@ class ApnsProvider:
         hash_ = wakeup.channel or wakeup.account
         return NotificationRequest(
             device_token=wakeup.token,
-            message=build_payload(wakeup, self.config.alert_title),
+            message=build_payload(wakeup, self.config.alert_title, self.payload),
             notification_id=apns_id(wakeup.push_id),
             time_to_live=self.time_to_live,
             priority=10 if wakeup.important else 5,

@@ -34,10 +34,12 @@ from google.auth.transport.requests import Request as GoogleAuthRequest
 
 from relay.models import Outcome
 from relay.providers.base import SendResult, Wakeup
+from relay.providers.payloads import FcmPayload
 
 logger = logging.getLogger(__name__)
 
 GOOGLE_FCM_ENDPOINT = "https://fcm.googleapis.com"
+DEFAULT_PAYLOAD = FcmPayload()
 _REQUIRED_FIELDS = ("project_id", "client_email", "private_key", "token_uri")
 _FCM_ERROR_TYPE = "type.googleapis.com/google.firebase.fcm.v1.FcmError"
 _BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
@@ -234,18 +236,28 @@ def classify(error: Exception) -> SendResult:
     return SendResult(Outcome.FAILED, code)
 
 
-def build_message(wakeup: Wakeup) -> messaging.Message:
-    """The whole payload of protocols.md 1.4, nothing else.
+def build_message(wakeup: Wakeup, payload: FcmPayload | None = None) -> messaging.Message:
+    """The whole payload of protocols.md 1.4, nothing else (unless the app's payload options
+    rename the keys, add the push id, or a notification block for important pushes).
 
     collapse_key: the first 6 characters of the room hash for a room, else of the account
     hash, so FCM keeps one pending wake-up per account or room (a newer one replaces an
     undelivered older one) while different rooms/accounts do not swallow each other.
     """
-    data = {"account": wakeup.account}
+    payload = payload or DEFAULT_PAYLOAD
+    data = {payload.account_key: wakeup.account}
     if wakeup.channel:
-        data["channel"] = wakeup.channel
+        data[payload.channel_key] = wakeup.channel
+    if payload.push_id_key:
+        data[payload.push_id_key] = wakeup.push_id
+    notification = None
+    if wakeup.important and (payload.notification_title or payload.notification_body):
+        notification = messaging.Notification(
+            title=payload.notification_title or None, body=payload.notification_body or None
+        )
     message = messaging.Message(
         data=data,
+        notification=notification,
         android=messaging.AndroidConfig(
             collapse_key=(wakeup.channel or wakeup.account)[:6],
             priority="high" if wakeup.important else "normal",
@@ -275,8 +287,11 @@ class FcmProvider:
 
     service: ClassVar[str] = "fcm"
 
-    def __init__(self, config: FcmConfig, *, timeout: float | None = None) -> None:
+    def __init__(
+        self, config: FcmConfig, *, timeout: float | None = None, payload: FcmPayload | None = None
+    ) -> None:
         self.config = config
+        self.payload = payload or DEFAULT_PAYLOAD
         self.timeout = _default_timeout() if timeout is None else float(timeout)
         self._closed = False
         self._token_lock = threading.Lock()
@@ -319,7 +334,7 @@ class FcmProvider:
             return SendResult(Outcome.RETRY_LATER, "CLOSED")
         if not wakeup.token:
             return SendResult(Outcome.DEAD_TOKEN, "EMPTY_TOKEN")
-        message = build_message(wakeup)
+        message = build_message(wakeup, self.payload)
         try:
             self._ensure_token()
             self._service.send(message)

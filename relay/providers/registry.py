@@ -6,12 +6,19 @@ builds a fresh client on the next send and closes the old one, with no restart.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime
+from typing import TypeVar
 
+from relay.crypto import CredentialKeyError
 from relay.models import App, Service
+from relay.providers import payloads
 from relay.providers.base import PushProvider
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class NotConfigured(Exception):
@@ -22,20 +29,71 @@ class NotConfigured(Exception):
         self.code = code
 
 
-def _build_fcm(app: App) -> PushProvider:
-    from relay.providers.fcm import FcmConfig, FcmProvider
+def _configured(app: App, prefix: str, build: Callable[[], PushProvider]) -> PushProvider:
+    """Build a provider, turning any credentials problem into NotConfigured with a code.
 
-    if not app.fcm_service_account:
-        raise NotConfigured("FCM_NOT_CONFIGURED")
+    `<P>_NOT_CONFIGURED`: nothing stored; `<P>_CREDENTIALS_UNREADABLE`: no configured
+    CREDENTIAL_KEYS entry decrypts them; `<P>_BAD_CREDENTIALS`: they do not validate.
+    """
+    from relay.services.credentials import CredentialsMissing
+
     try:
-        config = FcmConfig.parse(app.fcm_service_account, app.fcm_endpoint)
+        return build()
+    except CredentialsMissing as error:
+        raise NotConfigured(f"{prefix}_NOT_CONFIGURED") from error
+    except CredentialKeyError as error:
+        log.error(
+            "registry.credentials_unreadable", extra={"provider": prefix.lower(), "app": app.pk}
+        )
+        raise NotConfigured(f"{prefix}_CREDENTIALS_UNREADABLE") from error
     except ValueError as error:
-        raise NotConfigured("FCM_BAD_CREDENTIALS") from error
-    return FcmProvider(config)
+        log.warning("registry.bad_credentials", extra={"provider": prefix.lower(), "app": app.pk})
+        raise NotConfigured(f"{prefix}_BAD_CREDENTIALS") from error
+
+
+def _payload(prefix: str, parse: Callable[[object], T], app: App) -> T:
+    """The app's payload shape for one provider (relay/providers/payloads.py)."""
+    try:
+        return parse(app.payload_options)
+    except ValueError as error:
+        log.warning("registry.bad_payload_options", extra={"provider": prefix.lower()})
+        raise NotConfigured(f"{prefix}_BAD_PAYLOAD_OPTIONS") from error
+
+
+def _build_fcm(app: App) -> PushProvider:
+    from relay.providers.fcm import FcmProvider
+    from relay.services import credentials
+
+    payload = _payload("FCM", payloads.fcm_payload, app)
+    return _configured(
+        app, "FCM", lambda: FcmProvider(credentials.fcm_config(app=app), payload=payload)
+    )
+
+
+def _build_apns(app: App) -> PushProvider:
+    from relay.providers.apns import ApnsProvider
+    from relay.services import credentials
+
+    payload = _payload("APNS", payloads.apns_payload, app)
+    return _configured(
+        app, "APNS", lambda: ApnsProvider(credentials.apns_config(app=app), payload=payload)
+    )
+
+
+def _build_wns(app: App) -> PushProvider:
+    from relay.providers.wns import WnsProvider
+    from relay.services import credentials
+
+    payload = _payload("WNS", payloads.wns_payload, app)
+    return _configured(
+        app, "WNS", lambda: WnsProvider(credentials.wns_config(app=app), payload=payload)
+    )
 
 
 BUILDERS: dict[str, Callable[[App], PushProvider]] = {
     Service.FCM: _build_fcm,
+    Service.APNS: _build_apns,
+    Service.WNS: _build_wns,
 }
 
 _lock = threading.Lock()
@@ -43,19 +101,29 @@ _cache: dict[tuple[int, str], tuple[datetime, PushProvider]] = {}
 
 
 def provider_for(app: App, service: str) -> PushProvider:
+    """The app's provider for `service`; rebuilt when the app changed (`updated`).
+
+    The replaced provider is closed after the lock is released, also when the new
+    credentials turn out unusable (then NotConfigured is raised and nothing stays cached).
+    """
     key = (app.pk, service)
-    with _lock:
-        cached = _cache.get(key)
-        if cached is not None and cached[0] == app.updated:
-            return cached[1]
-        builder = BUILDERS.get(service)
-        if builder is None:
-            raise NotConfigured(f"{service.upper()}_NOT_SUPPORTED")
-        provider = builder(app)
-        _cache[key] = (app.updated, provider)
-    if cached is not None:
-        cached[1].close()
-    return provider
+    stale: PushProvider | None = None
+    try:
+        with _lock:
+            cached = _cache.get(key)
+            if cached is not None and cached[0] == app.updated:
+                return cached[1]
+            builder = BUILDERS.get(service)
+            if builder is None:
+                raise NotConfigured(f"{service.upper()}_NOT_SUPPORTED")
+            if cached is not None:
+                stale = _cache.pop(key)[1]
+            provider = builder(app)
+            _cache[key] = (app.updated, provider)
+            return provider
+    finally:
+        if stale is not None:
+            stale.close()
 
 
 def close_all() -> None:

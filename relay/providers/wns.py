@@ -65,6 +65,7 @@ import httpx
 
 from relay.models import Outcome
 from relay.providers.base import SendResult, Wakeup
+from relay.providers.payloads import WnsPayload
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ if logging.getLogger("httpx").level == logging.NOTSET:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 DEFAULT_TOKEN_URL = "https://login.live.com/accesstoken.srf"
+DEFAULT_PAYLOAD = WnsPayload()
 DEFAULT_CHANNEL_HOSTS: tuple[str, ...] = ("*.notify.windows.com",)
 TOKEN_SCOPE = "notify.windows.com"
 # Used when the token answer has no usable expires_in (WNS documents 86400).
@@ -318,6 +320,22 @@ def _classify(response: httpx.Response) -> SendResult:
     return SendResult(Outcome.FAILED, f"HTTP_{code}")
 
 
+def build_body(wakeup: Wakeup, payload: WnsPayload | None = None) -> dict[str, object]:
+    """The raw notification of protocols.md 3.3 (the app's payload options may rename the
+    account key or add the push id)."""
+    payload = payload or DEFAULT_PAYLOAD
+    body: dict[str, object] = {
+        "version": 2,
+        "action": "push",
+        payload.account_key: wakeup.account,
+        "message_count": wakeup.message_count or 0,
+        "pending_subscription_count": wakeup.pending_subscription_count or 0,
+    }
+    if payload.push_id_key:
+        body[payload.push_id_key] = wakeup.push_id
+    return body
+
+
 class WnsProvider:
     """Sends raw WNS wake-ups for one app; safe to share between threads."""
 
@@ -330,6 +348,7 @@ class WnsProvider:
         timeout: float | None = None,
         client: httpx.Client | None = None,
         clock: Callable[[], float] = time.monotonic,
+        payload: WnsPayload | None = None,
     ) -> None:
         config.validate()
         if timeout is None:
@@ -337,6 +356,7 @@ class WnsProvider:
 
             timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
         self._config = config
+        self._payload = payload or DEFAULT_PAYLOAD
         self._clock = clock
         self._owns_client = client is None
         # trust_env=False: no proxy or .netrc from the environment may touch our bearer token.
@@ -408,13 +428,7 @@ class WnsProvider:
         return result
 
     def _post(self, wakeup: Wakeup, token: str) -> httpx.Response:
-        body = {
-            "version": 2,
-            "action": "push",
-            "account_id": wakeup.account,
-            "message_count": wakeup.message_count or 0,
-            "pending_subscription_count": wakeup.pending_subscription_count or 0,
-        }
+        body = build_body(wakeup, self._payload)
         headers = {
             "Authorization": f"Bearer {token}",
             "Content-Type": "application/octet-stream",

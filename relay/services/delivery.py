@@ -1,7 +1,22 @@
 """Sending one queued push and deciding what its outcome means.
 
 Providers only classify (delivered / dead token / retry later / failed); this module decides
-what follows: the registration dies, the push is retried with backoff, or it is recorded.
+what follows:
+
+- delivered: recorded, the registration's `last_push` moves.
+- dead token: the registration dies (the next publish is answered item-not-found).
+- retry later: re-queued as a copy with the SAME push id, attempt + 1 and a delay: exponential
+  backoff with full jitter, never sooner than the provider's Retry-After (capped at
+  SEND_RETRY_MAX_SECONDS), and at least SEND_QUOTA_MIN_SECONDS after a quota error without
+  one. Bounded by SEND_MAX_ATTEMPTS and by age: a wake-up that would go out later than
+  SEND_MAX_AGE_SECONDS after the publish is useless, so it is given up at once.
+- failed, retries exhausted, too old, or the retry could not be queued: a dead letter
+  (relay/services/dead_letters.py) that the admin can replay, plus the Delivery record.
+
+Every final outcome is one Delivery row per push id. A push redelivered after a worker died
+(acks_late) or replayed from a dead letter keeps its push id, so its row is updated, not
+doubled, and the providers see the same id (APNs `apns-id`; FCM and WNS when the app's payload
+options name a key for it).
 """
 
 from __future__ import annotations
@@ -16,28 +31,44 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
-from relay.models import Delivery, Outcome, Priority, Registration
+from relay.models import DeadLetter, Delivery, Outcome, Priority, Registration
 from relay.providers import registry
 from relay.providers.base import SendResult, Wakeup
-from relay.services import queue
+from relay.providers.limits import send_limited
+from relay.services import queue, throttling
 
 log = logging.getLogger(__name__)
 
 LAST_PUSH_RESOLUTION_SECONDS = 60
+# Codes that mean "you are sending too much": back off for longer than for a hiccup.
+QUOTA_CODES = frozenset(
+    {"QUOTA_EXCEEDED", "HTTP_429", "TooManyRequests", "TooManyProviderTokenUpdates", "THROTTLED"}
+)
 
 
-def retry_delay(attempt: int, retry_after: float | None) -> float:
-    """Exponential backoff with full jitter, never sooner than the provider asked."""
-    base = settings.RELAY["SEND_RETRY_BASE_SECONDS"]
-    cap = settings.RELAY["SEND_RETRY_MAX_SECONDS"]
-    delay = random.uniform(0, min(cap, base * (2 ** (attempt - 1))))
+def retry_delay(attempt: int, retry_after: float | None, *, quota: bool = False) -> float:
+    """Seconds before attempt `attempt + 1`: full jitter over an exponential ceiling, above
+    the provider's Retry-After (or the quota minimum), never above SEND_RETRY_MAX_SECONDS.
+
+    The jitter is added on top of a Retry-After so that a burst refused together does not
+    come back together.
+    """
+    base = float(settings.RELAY["SEND_RETRY_BASE_SECONDS"])
+    cap = float(settings.RELAY["SEND_RETRY_MAX_SECONDS"])
+    jitter = random.uniform(0, min(cap, base * (2 ** (max(attempt, 1) - 1))))
+    floor = 0.0
     if retry_after is not None:
-        delay = max(delay, min(retry_after, cap))
-    return delay
+        floor = min(max(retry_after, 0.0), cap)
+    elif quota:
+        floor = min(float(settings.RELAY["SEND_QUOTA_MIN_SECONDS"]), cap)
+    if not floor:
+        return jitter
+    return min(cap, floor + jitter)
 
 
 def _age_seconds(job: queue.SendJob, now: datetime) -> float:
-    return (now - datetime.fromisoformat(job.received)).total_seconds()
+    start = datetime.fromisoformat(job.replayed or job.received)
+    return (now - start).total_seconds()
 
 
 def _send(registration: Registration, job: queue.SendJob) -> SendResult:
@@ -55,10 +86,57 @@ def _send(registration: Registration, job: queue.SendJob) -> SendResult:
     except registry.NotConfigured as error:
         return SendResult(Outcome.FAILED, error_code=error.code)
     try:
-        return provider.send(wakeup)
+        return send_limited(provider, wakeup, service=registration.service)
     except Exception as error:  # a provider must classify; a crash is treated as passing trouble
         log.exception("delivery.provider_crashed", extra={"error_type": type(error).__name__})
         return SendResult(Outcome.RETRY_LATER, error_code="INTERNAL")
+
+
+def _claim_folded(registration: Registration, job: queue.SendJob) -> queue.SendJob:
+    """A coalesced send carries what was folded into it: the latest counts, and important if
+    any folded publish was. Claimed once; a redelivered copy sends its own values."""
+    taken = throttling.take(registration=registration, push_id=job.push_id)
+    if taken is None:
+        return job
+    return dataclasses.replace(
+        job,
+        important=taken.important or job.important,
+        message_count=(
+            taken.message_count if taken.message_count is not None else job.message_count
+        ),
+        pending_subscription_count=(
+            taken.pending_subscription_count
+            if taken.pending_subscription_count is not None
+            else job.pending_subscription_count
+        ),
+        folded=taken.folded,
+    )
+
+
+def _retry(job: queue.SendJob, result: SendResult, now: datetime) -> str:
+    """Queue the next attempt; "" if queued, else why the push is given up."""
+    code = result.error_code or "RETRY_LATER"
+    if job.attempt >= int(settings.RELAY["SEND_MAX_ATTEMPTS"]):
+        return f"retries exhausted: {code}"
+    delay = retry_delay(job.attempt, result.retry_after, quota=code in QUOTA_CODES)
+    if _age_seconds(job, now) + delay >= float(settings.RELAY["SEND_MAX_AGE_SECONDS"]):
+        return f"too old: {code}"
+    try:
+        queue.enqueue_send(
+            dataclasses.replace(job, attempt=job.attempt + 1, coalesced=False), countdown=delay
+        )
+    except queue.QueueUnavailable:
+        return f"not re-queued: {code}"
+    log.info(
+        "delivery.retry_scheduled",
+        extra={
+            "push_id": job.push_id,
+            "attempt": job.attempt,
+            "code": code,
+            "delay": round(delay, 3),
+        },
+    )
+    return ""
 
 
 def deliver(job: queue.SendJob) -> Outcome:
@@ -66,34 +144,21 @@ def deliver(job: queue.SendJob) -> Outcome:
     if registration is None:
         log.info("delivery.registration_gone", extra={"push_id": job.push_id})
         return Outcome.FAILED
+    if job.coalesced and job.attempt == 1:
+        job = _claim_folded(registration, job)
     if registration.dead_since is not None:
         result = SendResult(Outcome.DEAD_TOKEN, error_code="ALREADY_DEAD")
     else:
         result = _send(registration, job)
     now = timezone.now()
+    given_up = ""
     if result.outcome == Outcome.RETRY_LATER:
-        if (
-            job.attempt < settings.RELAY["SEND_MAX_ATTEMPTS"]
-            and _age_seconds(job, now) < settings.RELAY["SEND_MAX_AGE_SECONDS"]
-        ):
-            try:
-                queue.enqueue_send(
-                    dataclasses.replace(job, attempt=job.attempt + 1),
-                    countdown=retry_delay(job.attempt, result.retry_after),
-                )
-                log.info(
-                    "delivery.retry_scheduled",
-                    extra={
-                        "push_id": job.push_id,
-                        "attempt": job.attempt,
-                        "code": result.error_code,
-                    },
-                )
-                return Outcome.RETRY_LATER
-            except queue.QueueUnavailable:
-                result = SendResult(Outcome.FAILED, error_code="RETRY_NOT_QUEUED")
-        else:
-            result = SendResult(Outcome.FAILED, error_code=result.error_code or "RETRIES_EXHAUSTED")
+        given_up = _retry(job, result, now)
+        if not given_up:
+            return Outcome.RETRY_LATER
+        result = SendResult(Outcome.FAILED, error_code=result.error_code or "RETRY_LATER")
+    elif result.outcome == Outcome.FAILED:
+        given_up = f"failed: {result.error_code or 'UNKNOWN'}"
     if result.outcome == Outcome.DEAD_TOKEN:
         Registration.objects.filter(pk=registration.pk, dead_since__isnull=True).update(
             dead_since=now
@@ -103,6 +168,8 @@ def deliver(job: queue.SendJob) -> Outcome:
         Registration.objects.filter(
             Q(last_push__isnull=True) | Q(last_push__lt=stale), pk=registration.pk
         ).update(last_push=now)
+    if given_up:
+        _dead_letter(registration, job, given_up)
     _record(registration, job, result, now)
     log.info(
         "delivery.done",
@@ -112,15 +179,38 @@ def deliver(job: queue.SendJob) -> Outcome:
             "outcome": result.outcome.value,
             "code": result.error_code,
             "attempt": job.attempt,
+            "coalesced": job.folded,
+            "dead_letter": bool(given_up),
         },
     )
     return result.outcome
 
 
+def _dead_letter(registration: Registration, job: queue.SendJob, reason: str) -> None:
+    """Keep the job (it holds no token, JID or body) for a replay with the same push id."""
+    DeadLetter.objects.update_or_create(
+        push_id=uuid.UUID(job.push_id),
+        defaults={
+            "tenant_id": registration.app.tenant_id,
+            "app_id": registration.app_id,
+            "registration_id": registration.pk,
+            "provider": registration.service,
+            "reason": reason[:64],
+            "attempts": job.attempt,
+            "job": job.to_message(),
+            "replayed": None,
+        },
+    )
+    log.warning(
+        "delivery.dead_letter",
+        extra={"push_id": job.push_id, "provider": registration.service, "reason": reason},
+    )
+
+
 def _record(
     registration: Registration, job: queue.SendJob, result: SendResult, now: datetime
 ) -> None:
-    """One row per push; a redelivered job with the same push id adds nothing."""
+    """One row per push id: a redelivered or replayed push updates its row, never adds one."""
     Delivery.objects.bulk_create(
         [
             Delivery(
@@ -137,7 +227,12 @@ def _record(
                 attempts=job.attempt,
                 outcome=result.outcome,
                 error_code=result.error_code[:64],
+                coalesced=job.folded,
             )
         ],
-        ignore_conflicts=True,
+        # The first record's priority and coalesced count stay: a redelivered copy of a
+        # coalesced send no longer knows what was folded into it.
+        update_conflicts=True,
+        unique_fields=["push_id"],
+        update_fields=["sent", "attempts", "outcome", "error_code"],
     )

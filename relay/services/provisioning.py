@@ -2,20 +2,29 @@
 
 Operators keep their setup in version control and apply it with `manage.py load_tenants`;
 applying the same file twice changes nothing. The whole file applies, or nothing does.
+
+An app's `fcm`, `apns` and `wns` sections hold its provider credentials; files are read
+relative to the YAML's folder and validated by `relay.services.credentials`, exactly as the
+admin form does. A section that is left out keeps what is stored; a section that is given
+replaces that provider's settings as a whole (so switching APNs from key to certificate auth
+removes the key).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from slixmpp.jid import JID, InvalidJID
 
 from relay.models import App, Component, Tenant
+from relay.services import credentials
 
 
 class ProvisioningError(ValueError):
@@ -70,7 +79,61 @@ def _read_file(path_text: str, where: str, base_dir: Path) -> str:
         raise ProvisioningError(f"{where}: cannot read {path_text}: {error.strerror}") from error
 
 
-def _fcm_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, str]:
+# Model field -> where it comes from in an app's YAML, for error messages.
+_YAML_NAMES = {
+    "fcm_service_account": "fcm.service_account_file",
+    "fcm_endpoint": "fcm.endpoint",
+    "apns_topic": "apns.topic",
+    "apns_key": "apns.key_file",
+    "apns_key_id": "apns.key_id",
+    "apns_team_id": "apns.team_id",
+    "apns_certificate": "apns.certificate_file",
+    "apns_private_key": "apns.private_key_file",
+    "apns_endpoint": "apns.endpoint",
+    "apns_ca_certificate": "apns.ca_file",
+    "wns_package_sid": "wns.package_sid",
+    "wns_secret": "wns.secret",
+    "wns_token_url": "wns.token_url",
+    "wns_channel_hosts": "wns.channel_hosts",
+}
+_APNS_KEYS = frozenset(
+    {
+        "key_file",
+        "key_id",
+        "team_id",
+        "certificate_file",
+        "private_key_file",
+        "topic",
+        "sandbox",
+        "endpoint",
+        "ca_file",
+    }
+)
+_WNS_KEYS = frozenset({"package_sid", "secret", "secret_file", "token_url", "channel_hosts"})
+
+
+def _validated(validate: Callable[..., None], values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Run a credentials validator; its first complaint becomes an error naming the YAML key."""
+    try:
+        validate(values=values)
+    except ValidationError as error:
+        field, messages = next(iter(error.message_dict.items()))
+        raise ProvisioningError(f"{where}.{_YAML_NAMES.get(field, field)}: {messages[0]}") from None
+    return values
+
+
+def _known_keys(section: dict[str, Any], known: frozenset[str], where: str) -> None:
+    unknown = sorted(str(key) for key in section if key not in known)
+    if unknown:
+        raise ProvisioningError(f"{where}.{unknown[0]}: unknown key")
+
+
+def _optional_file(section: dict[str, Any], key: str, where: str, base_dir: Path) -> str:
+    path = _text(section, key, where, required=False)
+    return _read_file(path, f"{where}.{key}", base_dir).strip() if path else ""
+
+
+def _fcm_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
     fcm = app_doc.get("fcm")
     if fcm is None:
         return {}
@@ -80,14 +143,77 @@ def _fcm_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str
         f"{where}.fcm.service_account_file",
         base_dir,
     )
-    from relay.providers.fcm import FcmConfig
+    values = {
+        "fcm_service_account": service_account,
+        "fcm_endpoint": _text(fcm, "endpoint", f"{where}.fcm", required=False),
+    }
+    return _validated(credentials.validate_fcm, values, where)
 
-    endpoint = _text(fcm, "endpoint", f"{where}.fcm", required=False)
-    try:
-        FcmConfig.parse(service_account, endpoint)
-    except ValueError as error:
-        raise ProvisioningError(f"{where}.fcm: {error}") from error
-    return {"fcm_service_account": service_account, "fcm_endpoint": endpoint}
+
+def _apns_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
+    """All APNs fields, so switching between key and certificate auth clears the other."""
+    apns = app_doc.get("apns")
+    if apns is None:
+        return {}
+    here = f"{where}.apns"
+    apns = _mapping(apns, here)
+    _known_keys(apns, _APNS_KEYS, here)
+    sandbox = apns.get("sandbox", False)
+    if not isinstance(sandbox, bool):
+        raise ProvisioningError(f"{here}.sandbox: expected true or false")
+    key = _optional_file(apns, "key_file", here, base_dir)
+    certificate = _optional_file(apns, "certificate_file", here, base_dir)
+    if not key and not certificate:
+        raise ProvisioningError(f"{here}: give key_file, or certificate_file and private_key_file")
+    values = {
+        "apns_topic": _text(apns, "topic", here),
+        "apns_sandbox": sandbox,
+        "apns_key": key,
+        "apns_key_id": _text(apns, "key_id", here, required=bool(key)),
+        "apns_team_id": _text(apns, "team_id", here, required=bool(key)),
+        "apns_certificate": certificate,
+        "apns_private_key": _optional_file(apns, "private_key_file", here, base_dir),
+        "apns_endpoint": _text(apns, "endpoint", here, required=False),
+        "apns_ca_certificate": _optional_file(apns, "ca_file", here, base_dir),
+    }
+    _validated(credentials.validate_apns, values, where)
+    values["apns_certificate_not_after"] = credentials.certificate_not_after(certificate)
+    return values
+
+
+def _wns_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
+    wns = app_doc.get("wns")
+    if wns is None:
+        return {}
+    here = f"{where}.wns"
+    wns = _mapping(wns, here)
+    _known_keys(wns, _WNS_KEYS, here)
+    if "secret" in wns and "secret_file" in wns:
+        raise ProvisioningError(f"{here}.secret_file: give secret or secret_file, not both")
+    if "secret_file" in wns:
+        secret = _optional_file(wns, "secret_file", here, base_dir)
+    else:
+        secret = _text(wns, "secret", here)
+    hosts = wns.get("channel_hosts")
+    if hosts is None:
+        hosts = []
+    if not isinstance(hosts, list) or not all(isinstance(host, str) for host in hosts):
+        raise ProvisioningError(f"{here}.channel_hosts: expected a list of host patterns")
+    values = {
+        "wns_package_sid": _text(wns, "package_sid", here),
+        "wns_secret": secret,
+        "wns_token_url": _text(wns, "token_url", here, required=False),
+        "wns_channel_hosts": "\n".join(host.strip() for host in hosts),
+    }
+    return _validated(credentials.validate_wns, values, where)
+
+
+def _app_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
+    return {
+        **_fcm_fields(app_doc, where, base_dir),
+        **_apns_fields(app_doc, where, base_dir),
+        **_wns_fields(app_doc, where, base_dir),
+    }
 
 
 def _upsert(
@@ -136,7 +262,7 @@ def load_tenants(document: str, *, base_dir: Path) -> ProvisioningReport:
                     App,
                     report,
                     {"tenant": tenant, "name": name},
-                    _fcm_fields(app_doc, app_where, base_dir),
+                    _app_fields(app_doc, app_where, base_dir),
                 )
             for c_index, comp_doc in enumerate(
                 _list(tenant_doc.get("components"), f"{where}.components")

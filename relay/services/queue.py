@@ -29,6 +29,12 @@ class SendJob:
     pending_subscription_count: int | None = None
     queued: str = ""
     attempt: int = 1
+    # Burst coalescing (relay/services/throttling.py): a delayed send that carries the
+    # publishes folded into it; `folded` counts them once the worker has claimed them.
+    coalesced: bool = False
+    folded: int = 0
+    # When a dead letter was replayed (ISO time): the age limit counts from then.
+    replayed: str = ""
 
     def to_message(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

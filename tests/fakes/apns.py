@@ -215,6 +215,7 @@ class RecordedRequest:
     jwt_header: dict[str, Any] | None = None
     jwt_claims: dict[str, Any] | None = None
     client_subject: str = ""
+    received_at: float = field(default_factory=time.time)
 
     @property
     def push_type(self) -> str:
@@ -646,3 +647,70 @@ def _is_uuid(value: str) -> bool:
         return str(uuid.UUID(value)) == value.lower()
     except ValueError:
         return False
+
+
+# --- as a process (benchmarks) -------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tests.fakes.apns --write-key /tmp/apns.p8`: prints the endpoint, CA file and
+    key ids as JSON; `GET /stats` on the printed control URL counts requests."""
+    import argparse
+    import signal
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    parser = argparse.ArgumentParser(description="A fake APNs (HTTP/2) for benchmarks")
+    parser.add_argument("--topic", default="org.example.app")
+    parser.add_argument("--write-key", metavar="PATH", required=True)
+    args = parser.parse_args(argv)
+    key_pem, public_key = make_p8_key()
+    Path(args.write_key).write_text(key_pem)
+    Path(args.write_key).chmod(0o600)
+    fake = FakeApns(topic=args.topic, public_key=public_key).start()
+
+    class Control(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            requests = fake.requests
+            statuses: dict[str, int] = {}
+            for request in requests:
+                statuses[str(request.status)] = statuses.get(str(request.status), 0) + 1
+            times = [request.received_at for request in requests]
+            body = json.dumps(
+                {
+                    "sends": len(requests),
+                    "statuses": statuses,
+                    "first": min(times, default=0.0),
+                    "last": max(times, default=0.0),
+                    "times": sorted(times),
+                }
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    control = ThreadingHTTPServer(("127.0.0.1", 0), Control)
+    threading.Thread(target=control.serve_forever, daemon=True).start()
+    info = {
+        "endpoint": fake.endpoint,
+        "ca_file": fake.ca_file,
+        "key_id": fake.key_id,
+        "team_id": fake.team_id,
+        "topic": fake.topic,
+        "control": f"http://127.0.0.1:{control.server_address[1]}",
+    }
+    print(json.dumps(info), flush=True)
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    stopped.wait()
+    control.shutdown()
+    fake.stop()
+
+
+if __name__ == "__main__":
+    main()

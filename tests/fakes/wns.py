@@ -43,6 +43,7 @@ class RecordedRequest:
     headers: dict[str, str]
     body: bytes
     status: int  # what the fake answered
+    received_at: float = field(default_factory=time.time)
 
     def json(self) -> object:
         return json.loads(self.body)
@@ -280,6 +281,25 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client gave up (a timeout test)
 
+    def do_GET(self) -> None:
+        """`GET /_fake/stats` (benchmarks): how many channel requests, and when."""
+        if self.path != "/_fake/stats":
+            self._answer(404, b"", {})
+            return
+        requests = self.owner.requests
+        statuses: dict[str, int] = {}
+        for request in requests:
+            statuses[str(request.status)] = statuses.get(str(request.status), 0) + 1
+        times = [request.received_at for request in requests]
+        stats = {
+            "sends": len(requests),
+            "statuses": statuses,
+            "first": min(times, default=0.0),
+            "last": max(times, default=0.0),
+            "times": sorted(times),
+        }
+        self._answer(200, json.dumps(stats).encode(), {"Content-Type": "application/json"})
+
     def do_POST(self) -> None:
         body = self._read_body()
         path = self.path.split("?", 1)[0]
@@ -304,3 +324,27 @@ class _Handler(BaseHTTPRequestHandler):
             answer_headers["X-WNS-Status"] = reply.wns_status
             answer_headers["X-WNS-DeviceConnectionStatus"] = "connected"
         self._answer(reply.status, b"", answer_headers)
+
+
+def main() -> None:
+    """`python -m tests.fakes.wns`: prints its URLs and credentials as JSON (benchmarks)."""
+    import signal
+
+    fake = FakeWns().start()
+    info = {
+        "base_url": fake.base_url,
+        "token_url": fake.token_url,
+        "host_pattern": fake.host_pattern,
+        "client_id": fake.client_id,
+        "client_secret": fake.client_secret,
+    }
+    print(json.dumps(info), flush=True)
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    stopped.wait()
+    fake.stop()
+
+
+if __name__ == "__main__":
+    main()

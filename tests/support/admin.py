@@ -1,6 +1,6 @@
 """Building blocks for the admin tests: a tenant with one of everything, and its users.
 
-A test module uses the `admin_static` fixture by importing it by name.
+A test module uses the `admin_settings` fixture by importing it by name.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from relay.models import (
     TenantStaffGroup,
 )
 from relay.services import tenancy
+from relay.services.queue import SendJob
 
 STRONG_PASSWORD = "correct horse battery staple 42"
 
@@ -103,15 +104,22 @@ def build_tenant(marker: str) -> TenantWorld:
         outcome=Outcome.DELIVERED,
         error_code=f"{marker.upper()}_CODE",
     )
+    dead_push_id = uuid.uuid4()
     dead_letter = DeadLetter.objects.create(
-        push_id=uuid.uuid4(),
+        push_id=dead_push_id,
         tenant=tenant,
         app=app,
         registration=registration,
         provider=Service.FCM,
         reason=f"{marker}-exhausted",
         attempts=8,
-        job={"registration_id": registration.pk, "publishing_domain": f"{marker}.example"},
+        job=SendJob(
+            push_id=str(dead_push_id),
+            registration_id=registration.pk,
+            publishing_domain=f"{marker}.example",
+            important=True,
+            received=(now - timedelta(hours=1)).isoformat(),
+        ).to_message(),
     )
     group = tenancy.create_staff_group(tenant=tenant, name=f"{marker} staff")
     binding = TenantStaffGroup.objects.get(group=group)
@@ -147,12 +155,14 @@ def make_operator(username: str = "operator") -> User:
 
 
 @pytest.fixture
-def admin_static(settings: Any) -> None:
-    """Plain static storage: the manifest one needs `collectstatic`, which tests do not run."""
+def admin_settings(settings: Any) -> None:
+    """Plain static storage (the manifest one needs `collectstatic`, which tests do not run)
+    and a fast password hasher (the real one takes a good part of a second per login)."""
     settings.STORAGES = {
         **settings.STORAGES,
         "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
     }
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
 def _field_value(bound: Any) -> Any:

@@ -1,0 +1,392 @@
+"""Delivery-engine benchmark: sends per second per provider through the worker pool, and the
+relay end to end with FCM, APNs and WNS mixed.
+
+Real worker processes (Celery, threads pool), Redis and PostgreSQL; the provider fakes run as
+processes of their own (tests/fakes/*.py in their `python -m` mode), so the workers speak the
+real wire protocols (FCM over HTTP/1.1 with OAuth, APNs over HTTP/2 with ES256 tokens, WNS
+over HTTP/1.1 with OAuth).
+
+- Per provider: the warm-up and measured send jobs are queued while no worker runs; then the
+  workers start. The figure is measured at the fake, from the last warm-up request to the
+  last measured one, so worker start-up, client construction and OAuth do not count.
+- Mixed: publishes over a component link (bench/component_server.py) through the gateway,
+  the broker and the workers, registrations spread over the three providers; the figure is
+  publishes in to sends out at the fakes.
+
+Prints and writes bench/results/providers.json. Run with PostgreSQL and Redis on loopback:
+`DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres CELERY_BROKER_URL=redis://127.0.0.1:6379/15
+.venv/bin/python bench/providers.py` (options: --sends, --pushes, --workers, --concurrency,
+--mode providers|mixed|all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BENCH_DB = "relay_bench_providers"
+RESULTS = ROOT / "bench" / "results"
+WARMUP = 64
+SERVICES = ("fcm", "apns", "wns")
+
+
+def prepare_database(admin_url: str) -> str:
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {BENCH_DB}")
+    return admin_url.rsplit("/", 1)[0] + f"/{BENCH_DB}"
+
+
+def get_json(url: str, timeout: float = 30) -> Any:
+    return json.loads(urllib.request.urlopen(url, timeout=timeout).read())
+
+
+def wait_http(url: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class Fakes:
+    """The three provider fakes as processes, and how to read their counts."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.processes: list[subprocess.Popen[str]] = []
+        self.sa_path = workdir / "service-account.json"
+        self.key_path = workdir / "apns.p8"
+        fcm = self._start(
+            ["tests.fakes.fcm", "--write-service-account", str(self.sa_path), "--record"]
+        )
+        self.fcm_url: str = fcm["url"]
+        self.apns = self._start(["tests.fakes.apns", "--write-key", str(self.key_path)])
+        self.wns = self._start(["tests.fakes.wns"])
+        wait_http(f"{self.fcm_url}/_fake/stats")
+
+    def _start(self, argv: list[str]) -> dict[str, Any]:
+        process = subprocess.Popen(
+            [sys.executable, "-m", *argv],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.processes.append(process)
+        assert process.stdout is not None
+        return json.loads(process.stdout.readline())
+
+    def times(self, service: str) -> list[float]:
+        """Arrival time of every send request so far, sorted."""
+        if service == "fcm":
+            return sorted(r["time"] for r in get_json(f"{self.fcm_url}/_fake/requests"))
+        if service == "apns":
+            return get_json(self.apns["control"])["times"]
+        return get_json(f"{self.wns['base_url']}/_fake/stats")["times"]
+
+    def count(self, service: str) -> int:
+        if service == "fcm":
+            return int(get_json(f"{self.fcm_url}/_fake/stats")["sends"])
+        if service == "apns":
+            return int(get_json(self.apns["control"])["sends"])
+        return int(get_json(f"{self.wns['base_url']}/_fake/stats")["sends"])
+
+    def wait_for(self, service: str, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.count(service) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{service}: {self.count(service)} of {count} sends")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def start_workers(workers: int, concurrency: int) -> list[subprocess.Popen[bytes]]:
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "pushsite",
+        "worker",
+        "--pool",
+        "threads",
+        "--concurrency",
+        str(concurrency),
+        "--loglevel",
+        "WARNING",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+    ]
+    return [subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ)) for _ in range(workers)]
+
+
+def stop_all(processes: list[subprocess.Popen[Any]]) -> None:
+    for process in reversed(processes):
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def token_for(service: str, fakes: Fakes, n: int, run: str) -> str:
+    if service == "fcm":
+        return f"bench-{run}-{n}"
+    if service == "apns":
+        return uuid.uuid4().hex * 2
+    return f"{fakes.wns['base_url']}/channel/{run}{n}?token=bench"
+
+
+def make_registrations(component: Any, service: str, fakes: Fakes, count: int, run: str) -> list:
+    from relay.identifiers import new_node, new_secret
+    from relay.models import Registration
+
+    registrations = [
+        Registration(
+            app=component.app,
+            component=component,
+            service=service,
+            device_hash=uuid.uuid4().hex + f"{n:08x}",
+            account_domain="localhost",
+            token=token_for(service, fakes, n, run),
+            node=new_node(),
+            secret=new_secret(),
+        )
+        for n in range(count)
+    ]
+    return Registration.objects.bulk_create(registrations, batch_size=2000)
+
+
+def bench_provider(
+    service: str, component: Any, fakes: Fakes, args: argparse.Namespace
+) -> dict[str, Any]:
+    from django.db.models import Count
+    from django.utils import timezone
+
+    from relay.models import Delivery
+    from relay.services import queue
+
+    registrations = make_registrations(component, service, fakes, WARMUP + args.sends, service)
+    before = fakes.count(service)
+    now = timezone.now().isoformat()
+    for registration in registrations:
+        queue.enqueue_send(
+            queue.SendJob(
+                push_id=str(uuid.uuid4()),
+                registration_id=registration.pk,
+                publishing_domain="localhost",
+                important=True,
+                received=now,
+            )
+        )
+    workers = start_workers(args.workers, args.concurrency)
+    try:
+        fakes.wait_for(service, before + len(registrations), timeout=600)
+    finally:
+        stop_all(workers)
+    times = fakes.times(service)[before:]
+    start, end = times[WARMUP - 1], times[-1]
+    outcomes = dict(
+        Delivery.objects.filter(provider=service).values_list("outcome").annotate(n=Count("id"))
+    )
+    return {
+        "sends": args.sends,
+        "sends_per_second": round(args.sends / (end - start), 1),
+        "outcomes": outcomes,
+    }
+
+
+def bench_mixed(component: Any, fakes: Fakes, args: argparse.Namespace) -> dict[str, Any]:
+    from bench.component_server import ComponentServer
+    from bench.relay import percentiles
+    from relay.models import Component
+
+    per_service = {
+        s: args.pushes // 3 + (1 if i < args.pushes % 3 else 0) for i, s in enumerate(SERVICES)
+    }
+    warm = {s: make_registrations(component, s, fakes, 10, f"mixwarm{s}") for s in SERVICES}
+    measured = {
+        s: make_registrations(component, s, fakes, per_service[s], f"mix{s}") for s in SERVICES
+    }
+    before = {s: fakes.count(s) for s in SERVICES}
+    processes: list[subprocess.Popen[bytes]] = []
+
+    async def run() -> dict[str, Any]:
+        server = ComponentServer("push.bench", "bench-secret")
+        await server.start()
+        await asyncio.to_thread(
+            Component.objects.filter(pk=component.pk).update,
+            jid="push.bench",
+            secret="bench-secret",
+            host="127.0.0.1",
+            port=server.port,
+            enabled=True,
+        )
+        env = dict(
+            os.environ,
+            RELAY_GATEWAY_THREADS=str(args.gateway_threads),
+            RELAY_COMPONENT_POLL_SECONDS="0.5",
+        )
+        processes.append(
+            subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
+        )
+        processes.extend(start_workers(args.workers, args.concurrency))
+        await server.wait_connected(timeout=30)
+        warm_batch = [
+            (f"warm-{s}-{i}", r.node, r.secret) for s in SERVICES for i, r in enumerate(warm[s])
+        ]
+        await server.publish_all(warm_batch, window=30, timeout=60)
+        for s in SERVICES:
+            await asyncio.to_thread(fakes.wait_for, s, before[s] + len(warm[s]), 60)
+        server.sent_at.clear()
+        server.answered_at.clear()
+        # Interleave the providers, as real traffic would.
+        batch = []
+        for i in range(max(per_service.values())):
+            for s in SERVICES:
+                if i < len(measured[s]):
+                    r = measured[s][i]
+                    batch.append((f"p-{s}-{i}", r.node, r.secret))
+        started = time.perf_counter()
+        await server.publish_all(batch, window=args.window, timeout=600)
+        answered = time.perf_counter()
+        for s in SERVICES:
+            target = before[s] + len(warm[s]) + len(measured[s])
+            await asyncio.to_thread(fakes.wait_for, s, target, 600)
+        finished = time.perf_counter()
+        errors = sum(1 for t in server.answer_types.values() if t != "result")
+        to_result = [server.answered_at[k] - server.sent_at[k] for k in server.answered_at]
+        await server.close()
+        return {
+            "pushes": len(batch),
+            "per_provider": per_service,
+            "publish_errors": errors,
+            "publishes_per_second_answered": round(len(batch) / (answered - started), 1),
+            "pushes_per_second_end_to_end": round(len(batch) / (finished - started), 1),
+            "latency_ms_publish_to_result": percentiles(to_result),
+        }
+
+    try:
+        return asyncio.run(run())
+    finally:
+        stop_all(processes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sends", type=int, default=3000, help="measured sends per provider")
+    parser.add_argument("--pushes", type=int, default=3000, help="publishes in the mixed run")
+    parser.add_argument("--window", type=int, default=256, help="publishes in flight (mixed)")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes")
+    parser.add_argument("--concurrency", type=int, default=32, help="threads per worker")
+    parser.add_argument("--gateway-threads", type=int, default=16)
+    parser.add_argument("--mode", choices=["providers", "mixed", "all"], default="all")
+    parser.add_argument("--providers", default=",".join(SERVICES))
+    args = parser.parse_args()
+
+    admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+    broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
+    os.environ.update(
+        {"DATABASE_URL": prepare_database(admin_url), "CELERY_BROKER_URL": broker_url}
+    )
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    # Measure the engine, not the coalescing window or a tenant's rate limit.
+    os.environ.setdefault("RELAY_COALESCE_SECONDS", "0")
+
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    from relay.models import App, Component, Tenant
+    from relay.services import throttling
+    from tests.support import broker
+
+    broker.purge()
+    throttling.reset()
+    workdir = Path(tempfile.mkdtemp(prefix="providers-bench-"))
+    fakes = Fakes(workdir)
+    results: dict[str, Any] = {"benchmark": "providers"}
+    try:
+        tenant = Tenant.objects.create(name="bench", rate_limit_per_second=0)
+        app = App.objects.create(
+            tenant=tenant,
+            name="bench",
+            fcm_service_account=fakes.sa_path.read_text(),
+            fcm_endpoint=fakes.fcm_url,
+            apns_topic=fakes.apns["topic"],
+            apns_key=fakes.key_path.read_text(),
+            apns_key_id=fakes.apns["key_id"],
+            apns_team_id=fakes.apns["team_id"],
+            apns_endpoint=fakes.apns["endpoint"],
+            apns_ca_certificate=Path(fakes.apns["ca_file"]).read_text(),
+            wns_package_sid=fakes.wns["client_id"],
+            wns_secret=fakes.wns["client_secret"],
+            wns_token_url=fakes.wns["token_url"],
+            wns_channel_hosts=fakes.wns["host_pattern"],
+        )
+        component = Component.objects.create(
+            tenant=tenant,
+            app=app,
+            jid="push.bench",
+            secret="bench-secret",
+            enabled=False,  # the mixed run points it at its component server
+        )
+        if args.mode in ("providers", "all"):
+            results["per_provider"] = {
+                service: bench_provider(service, component, fakes, args)
+                for service in args.providers.split(",")
+            }
+        if args.mode in ("mixed", "all"):
+            results["mixed"] = bench_mixed(component, fakes, args)
+    finally:
+        fakes.stop()
+    results.update(
+        {
+            "workers": args.workers,
+            "worker_threads": args.concurrency,
+            "database": "postgresql",
+            "broker": broker_url.split(":", 1)[0],
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        }
+    )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "providers.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The operators' admin site: throttled login, and the health and usage pages.
+
+Everything a page shows is scoped by `relay.services.tenancy`: a tenant's own staff see their
+tenant's links and numbers only, the operator's staff see all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.contrib import admin
+from django.contrib.admin.forms import AdminAuthenticationForm
+from django.core.exceptions import ValidationError
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, URLResolver, path
+
+from relay.admin_charts import daily_chart
+from relay.services import login_throttle, tenancy, usage
+
+log = logging.getLogger(__name__)
+
+
+class ThrottledAuthenticationForm(AdminAuthenticationForm):
+    """The admin login, refused for a while after repeated failures (see `login_throttle`)."""
+
+    error_messages = {
+        **AdminAuthenticationForm.error_messages,
+        "throttled": "Too many failed login attempts. Wait a few minutes and try again.",
+    }
+
+    def clean(self) -> dict[str, Any]:
+        username = str(self.cleaned_data.get("username") or "")
+        address = login_throttle.client_address(self.request) if self.request else ""
+        if login_throttle.is_locked(username=username, address=address):
+            log.warning("admin.login_throttled")
+            raise ValidationError(self.error_messages["throttled"], code="throttled")
+        try:
+            cleaned = super().clean()
+        except ValidationError:
+            login_throttle.record_failure(username=username, address=address)
+            raise
+        login_throttle.record_success(username=username, address=address)
+        return cleaned
+
+
+class RelayAdminSite(admin.AdminSite):
+    site_header = "Push relay"
+    site_title = "Push relay admin"
+    index_title = "Tenants, links and pushes"
+    index_template = "admin/relay/index.html"
+    site_url = None  # the service has no public site to go back to
+    login_form = ThrottledAuthenticationForm
+
+    def get_urls(self) -> list[URLResolver | URLPattern]:
+        extra = [
+            path("health/", self.admin_view(self.health_view), name="health"),
+            path("usage/", self.admin_view(self.usage_view), name="usage"),
+        ]
+        return extra + super().get_urls()
+
+    def health_view(self, request: HttpRequest) -> TemplateResponse:
+        """Links, queue depth and provider error rates at a glance (scoped to the user)."""
+        tenant_ids = tenancy.tenant_ids_for(request.user)
+        operator = tenant_ids is None
+        context = {
+            **self.each_context(request),
+            "title": "Health",
+            "links": usage.link_overview(tenant_ids=tenant_ids),
+            "rates": usage.provider_rates(tenant_ids=tenant_ids),
+            "dead_letters": usage.dead_letters_waiting(tenant_ids=tenant_ids),
+            "operator": operator,
+            # The shared queue is the operator's business, not one tenant's.
+            "queue_depth": usage.queue_depth() if operator else None,
+        }
+        return TemplateResponse(request, "admin/relay/health.html", context)
+
+    def usage_view(self, request: HttpRequest) -> TemplateResponse:
+        """Pushes per tenant, app and provider over the last day and 30 days."""
+        tenant_ids = tenancy.tenant_ids_for(request.user)
+        rows = usage.usage_table(tenant_ids=tenant_ids)
+        day, month = usage.totals(rows)
+        context = {
+            **self.each_context(request),
+            "title": "Usage",
+            "rows": rows,
+            "day_total": day,
+            "month_total": month,
+            "chart": daily_chart(usage.daily_counts(tenant_ids=tenant_ids)),
+        }
+        return TemplateResponse(request, "admin/relay/usage.html", context)

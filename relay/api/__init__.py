@@ -1,0 +1,1 @@
+"""The public HTTP API (django-ninja), mounted at /api/v1/ by pushsite.urls."""

@@ -1,0 +1,66 @@
+"""System checks: credentials a configured key cannot read, pending rotations, expiring certs.
+
+They run with `manage.py check` (and migrate, runserver), so an operator who dropped a key
+too early hears about it before the first push fails. One small query per table that holds
+encrypted values; a database that is not there yet (first migrate) is skipped silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cryptography.fernet import Fernet
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Warning, register
+from django.db import DatabaseError
+
+
+@register("relay")
+def credential_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    keys = list(getattr(settings, "CREDENTIAL_KEYS", []) or [])
+    if not keys:
+        return [Error("CREDENTIAL_KEYS is empty: credentials cannot be stored.", id="relay.E001")]
+    for index, key in enumerate(keys):
+        try:
+            Fernet(key.encode())
+        except (ValueError, TypeError):
+            return [
+                Error(
+                    f"CREDENTIAL_KEYS entry {index + 1} is not a Fernet key.",
+                    hint="Generate one with: python -c 'from cryptography.fernet import "
+                    "Fernet; print(Fernet.generate_key().decode())'",
+                    id="relay.E002",
+                )
+            ]
+    from relay.services import credentials
+
+    try:
+        status = credentials.credential_key_status()
+        expiring = list(credentials.certificates_expiring()[:20])
+    except DatabaseError:
+        return []
+    messages: list[CheckMessage] = []
+    if status.unreadable:
+        messages.append(
+            Warning(
+                f"{status.unreadable} stored credential value(s) cannot be decrypted with any "
+                "configured CREDENTIAL_KEYS entry; those providers will not send.",
+                hint="Add the key they were encrypted with back to CREDENTIAL_KEYS, "
+                "or enter the credentials again in the admin.",
+                id="relay.W001",
+            )
+        )
+    if status.rotation_pending:
+        messages.append(
+            Warning(
+                f"{status.rotation_pending} stored credential value(s) are not encrypted with "
+                "the current (first) CREDENTIAL_KEYS entry.",
+                hint="Run `manage.py rotate_credentials` before removing old keys.",
+                id="relay.W002",
+            )
+        )
+    for app in expiring:
+        messages.append(
+            Warning(credentials.expiry_warning(app=app) or f"{app}: certificate", id="relay.W003")
+        )
+    return messages

@@ -1,0 +1,158 @@
+"""Who sees which tenant's objects in the admin.
+
+A staff user in a group bound to a tenant (`TenantStaffGroup`) is that tenant's own staff and
+is confined to its objects everywhere in the admin. A superuser, or a staff user in no bound
+group, is the operator's and sees everything their permissions allow. The scope is computed
+once per request (it is cached on the request's user object).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+from django.contrib.auth.models import Group, Permission
+from django.db import models, transaction
+from django.db.models import Q, QuerySet
+
+from relay.models import (
+    App,
+    Component,
+    ComponentLink,
+    DeadLetter,
+    Delivery,
+    Registration,
+    Tenant,
+    TenantStaffGroup,
+    WnsDevice,
+)
+
+M = TypeVar("M", bound=models.Model)
+
+# How each tenant-owned model reaches its tenant; a model missing here is operator-only.
+TENANT_PATHS: dict[type[models.Model], str] = {
+    Tenant: "pk",
+    App: "tenant",
+    Component: "tenant",
+    ComponentLink: "component__tenant",
+    Registration: "app__tenant",
+    WnsDevice: "app__tenant",
+    Delivery: "tenant",
+    DeadLetter: "tenant",
+    TenantStaffGroup: "tenant",
+}
+
+# What a new tenant staff group may do; credentials stay write-only for them in any case, and
+# adding or removing tenants and components stays the operator's whatever the permissions.
+DEFAULT_STAFF_PERMISSIONS: tuple[str, ...] = (
+    "view_tenant",
+    "change_tenant",
+    "view_app",
+    "add_app",
+    "change_app",
+    "view_component",
+    "change_component",
+    "view_componentlink",
+    "view_registration",
+    "change_registration",
+    "delete_registration",
+    "view_delivery",
+    "view_deadletter",
+    "change_deadletter",
+)
+
+_CACHE_ATTRIBUTE = "_relay_tenant_scope"
+
+
+def tenant_ids_for(user: Any) -> frozenset[int] | None:
+    """The tenants a user may see: None means all (the operator), an empty set means none."""
+    cached = getattr(user, _CACHE_ATTRIBUTE, False)
+    if cached is not False:
+        return cached
+    scope: frozenset[int] | None
+    if not getattr(user, "is_active", False) or not user.is_authenticated:
+        scope = frozenset()
+    elif user.is_superuser:
+        scope = None
+    else:
+        bound = frozenset(
+            TenantStaffGroup.objects.filter(group__user=user).values_list("tenant_id", flat=True)
+        )
+        # Unbound staff are the operator's; anyone else (not staff) sees nothing.
+        scope = bound or (None if user.is_staff else frozenset())
+    # AnonymousUser has no instance dict worth caching on; everyone else does.
+    if user.is_authenticated:
+        setattr(user, _CACHE_ATTRIBUTE, scope)
+    return scope
+
+
+def is_tenant_staff(user: Any) -> bool:
+    return tenant_ids_for(user) is not None
+
+
+def tenant_path(model: type[models.Model]) -> str | None:
+    return TENANT_PATHS.get(model)
+
+
+def scope_queryset(queryset: QuerySet[M], *, user: Any) -> QuerySet[M]:
+    """Only the rows the user's tenants own; all rows for the operator.
+
+    A model that belongs to no tenant is operator-only: tenant staff get nothing of it.
+    """
+    tenant_ids = tenant_ids_for(user)
+    if tenant_ids is None:
+        return queryset
+    path = tenant_path(queryset.model)
+    if path is None:
+        return queryset.none()
+    return queryset.filter(**{f"{path}__in": tenant_ids})
+
+
+def scope_q(model: type[models.Model], *, user: Any) -> Q | None:
+    """A filter for choice lists built outside a queryset (list filters); None: no limit."""
+    tenant_ids = tenant_ids_for(user)
+    if tenant_ids is None:
+        return None
+    path = tenant_path(model)
+    if path is None:
+        return Q(pk__in=[])
+    return Q(**{f"{path}__in": tenant_ids})
+
+
+def owning_tenant_id(obj: models.Model) -> int | None:
+    """The tenant an object belongs to, following its `TENANT_PATHS` entry."""
+    path = tenant_path(type(obj))
+    if path is None:
+        return None
+    if path == "pk":
+        return obj.pk
+    value: Any = obj
+    for part in path.split("__"):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value.pk
+
+
+def in_scope(obj: models.Model, *, user: Any) -> bool:
+    tenant_ids = tenant_ids_for(user)
+    if tenant_ids is None:
+        return True
+    tenant_id = owning_tenant_id(obj)
+    return tenant_id is not None and tenant_id in tenant_ids
+
+
+@transaction.atomic
+def create_staff_group(
+    *, tenant: Tenant, name: str = "", permissions: Iterable[str] = DEFAULT_STAFF_PERMISSIONS
+) -> Group:
+    """A group bound to the tenant with the default staff permissions; add users to it."""
+    group, _ = Group.objects.get_or_create(name=name or f"{tenant.name} staff")
+    binding = TenantStaffGroup.objects.filter(group=group).exclude(tenant=tenant).first()
+    if binding is not None:
+        raise ValueError(f"the group {group.name!r} is bound to another tenant")
+    group.permissions.add(
+        *Permission.objects.filter(content_type__app_label="relay", codename__in=permissions)
+    )
+    TenantStaffGroup.objects.update_or_create(group=group, defaults={"tenant": tenant})
+    return group

@@ -1,0 +1,182 @@
+"""A worker killed with SIGKILL in the middle of a batch loses no push.
+
+Real worker processes, the real Redis broker and a slow fake FCM (so the kill lands while sends
+are in flight and more are prefetched). Sends are acknowledged only after they are done
+(acks_late), so:
+
+- killing the whole worker (threads pool: the one process; the same holds for a prefork
+  parent, which holds the unacknowledged messages) leaves them unacknowledged in Redis, which
+  hands them to the next worker once CELERY_VISIBILITY_TIMEOUT has passed;
+- killing a prefork child mid-task makes the parent reject the task with requeue
+  (reject_on_worker_lost), so it comes back at once.
+
+Either way every push reaches the provider at least once, a push sent twice carries the same
+push id both times, and each push has exactly one Delivery row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from relay.models import Delivery, Outcome, Registration, Service
+from relay.services import throttling
+from relay.services.publishing import Publish, Verdict, accept_publish
+from tests.fakes.fcm import FakeFcm
+from tests.support import broker
+from tests.support.processes import ServiceProcess, service_env, wait_until
+from tests.support.provider_fakes import configure_fcm
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+PUSHES = 40
+VISIBILITY_TIMEOUT = 4
+SLOW_SENDS = 8
+SLOW_SECONDS = 1.5
+
+
+def start_worker(pool: str) -> ServiceProcess:
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "pushsite",
+        "worker",
+        "--pool",
+        pool,
+        "--concurrency",
+        "4",
+        "--loglevel",
+        "INFO",
+        "--without-heartbeat",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    env = service_env(CELERY_VISIBILITY_TIMEOUT=str(VISIBILITY_TIMEOUT))
+    return ServiceProcess(f"worker-{pool}", argv, env)
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, so split after the last ")".
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def push_ids_at_fake(fcm: FakeFcm) -> list[str]:
+    return [r.message["data"]["push_id"] for r in fcm.requests]
+
+
+@pytest.mark.parametrize("scenario", ["threads-worker", "prefork-children"])
+def test_sigkill_mid_batch_loses_no_push(scenario, component):
+    assert settings.CELERY_BROKER_URL.startswith("redis://"), "needs the Redis broker"
+    with FakeFcm() as fcm:
+        app = component.app
+        configure_fcm(app, fcm)
+        app.payload_options = {"fcm": {"push_id_key": "push_id"}}  # the push id on the wire
+        app.save()
+        registrations = [
+            Registration.objects.create(
+                app=app,
+                component=component,
+                service=Service.FCM,
+                device_hash=f"{i:040x}",
+                account_domain="localhost",
+                token=f"kill-token-{i}",
+                node=f"kill-node-{i}",
+                secret="secret",
+            )
+            for i in range(PUSHES)
+        ]
+        broker.purge()
+        throttling.reset()
+        fcm.respond(None, 200, delay=SLOW_SECONDS, times=SLOW_SENDS)
+        for registration in registrations:
+            verdict = accept_publish(
+                Publish(
+                    component_id=component.pk,
+                    publishing_domain="localhost",
+                    node=registration.node,
+                    secret="secret",
+                    important=True,
+                )
+            )
+            assert verdict is Verdict.ACCEPTED
+
+        pool = "threads" if scenario == "threads-worker" else "prefork"
+        workers = [start_worker(pool)]
+        try:
+            fcm.wait_for_requests(2, timeout=60)  # sends are in flight (the fake holds them)
+            assert Delivery.objects.count() < PUSHES
+            if scenario == "threads-worker":
+                workers[0].kill()
+                assert workers[0].process.returncode == -signal.SIGKILL
+                killed_at = time.monotonic()
+                sent_before_kill = set(push_ids_at_fake(fcm))
+                # Redis gives unacknowledged messages back once their visibility timeout passed;
+                # a new worker restores them when it starts polling.
+                time.sleep(max(0.0, VISIBILITY_TIMEOUT + 1 - (time.monotonic() - killed_at)))
+                workers.append(start_worker(pool))
+            else:
+                children = children_of(workers[0].process.pid)
+                assert children, "prefork children not found"
+                for child in children:
+                    os.kill(child, signal.SIGKILL)
+                sent_before_kill = set(push_ids_at_fake(fcm))
+            with contextlib.suppress(TimeoutError):  # the assertions below say what is missing
+                wait_until(
+                    lambda: Delivery.objects.filter(outcome=Outcome.DELIVERED).count() >= PUSHES,
+                    timeout=90,
+                    interval=0.2,
+                )
+                # Let anything still in flight finish, so the counts below are final.
+                wait_until(lambda: broker_is_idle(fcm), timeout=30, interval=0.5)
+        finally:
+            for worker in workers:
+                worker.stop()
+            logs = "\n".join(worker.log_text() for worker in workers)
+
+    records = list(Delivery.objects.values_list("push_id", "outcome", "registration_id"))
+    sent = push_ids_at_fake(fcm)
+    lost = PUSHES - len({str(push_id) for push_id, _, _ in records})
+    assert lost == 0, f"{lost} of {PUSHES} pushes lost\n{logs[-3000:]}"
+    assert {outcome for _, outcome, _ in records} == {Outcome.DELIVERED}
+    assert {str(push_id) for push_id, _, _ in records} == set(sent)
+    assert len(set(sent)) == PUSHES  # every push reached the provider
+    # The kill landed mid-batch: some pushes went out twice, each time with its push id.
+    duplicates = {push_id for push_id in sent if sent.count(push_id) > 1}
+    assert duplicates and duplicates <= sent_before_kill
+    print(
+        f"worker kill ({scenario}): {PUSHES} pushes, {len(sent)} sends,"
+        f" {len(duplicates)} sent twice with their push id, {lost} lost"
+    )
+    per_token: dict[str, set[str]] = defaultdict(set)
+    for request in fcm.requests:
+        per_token[request.token].add(request.message["data"]["push_id"])
+    assert all(len(ids) == 1 for ids in per_token.values())
+
+
+def broker_is_idle(fcm: FakeFcm) -> bool:
+    """No message waits in the queue and the fake saw no new request for a moment."""
+    before = fcm.send_count
+    time.sleep(1.0)
+    with broker.celery_app.connection_for_read() as conn:
+        waiting = conn.default_channel.client.llen(broker.QUEUE)
+    return waiting == 0 and fcm.send_count == before
