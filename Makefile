@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 # The suite runs on PostgreSQL and Redis (as CI must), then the embedded defaults again.
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
+TEST_CACHE_URL ?= redis://127.0.0.1:6379/14
 SYSTEM_PACKAGES := python3-venv prosody prosody-modules lua-unbound ejabberd chromium chromium-driver \
 	libpostgresql-jdbc-java redis-server
 
@@ -48,12 +49,12 @@ test: system-deps $(STAMP) lint
 	$(MAKE) --no-print-directory test-defaults
 
 test-postgres: $(STAMP)
-	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) \
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) CACHE_URL=$(TEST_CACHE_URL) \
 		$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The embedded defaults (SQLite, the file-backed broker) must keep working on a laptop.
 test-defaults: $(STAMP)
-	env -u DATABASE_URL -u CELERY_BROKER_URL VAR_DIR=$$(mktemp -d) \
+	env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_STATE_URL VAR_DIR=$$(mktemp -d) \
 		$(BIN)/python -m pytest -m defaults $(PYTEST_ARGS)
 
 bench: $(STAMP)

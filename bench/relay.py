@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BENCH_DB = "relay_bench"
+BENCH_DB = os.environ.get("RELAY_BENCH_DB", "relay_bench")
 RESULTS = ROOT / "bench" / "results"
 
 

@@ -3,7 +3,8 @@
 A send is acknowledged only after `deliver` returned (acks_late): a worker killed mid-send
 leaves the message unacknowledged, and the broker hands it to another worker (Redis: after
 CELERY_VISIBILITY_TIMEOUT). The redelivered job keeps its push id, so it is told apart from a
-new push and its Delivery row is updated, not doubled.
+new push and its Delivery row is updated, not doubled. The same holds for a batch message
+(relay.send_pushes): it comes back whole, and every push in it keeps its id.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from relay.services.queue import SendJob
 @shared_task(name="relay.send_push", acks_late=True, reject_on_worker_lost=True)
 def send_push(message: dict[str, Any]) -> str:
     return delivery.deliver(SendJob.from_message(message)).value
+
+
+@shared_task(name="relay.send_pushes", acks_late=True, reject_on_worker_lost=True)
+def send_pushes(messages: list[dict[str, Any]]) -> int:
+    """A batch the gateway queued as one message: acknowledged once every job in it is done
+    (sent, retried individually, or dead-lettered), so a killed worker redelivers all of it."""
+    outcomes = delivery.deliver_many([SendJob.from_message(message) for message in messages])
+    return len(outcomes)
 
 
 def _close_providers(**_: object) -> None:

@@ -548,7 +548,7 @@ def _cache_setting(kind: str, tmp_path) -> tuple[dict, dict[str, str]]:
             "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
             "LOCATION": str(location),
         }
-        return setting, {"VAR_DIR": str(tmp_path)}
+        return setting, {"VAR_DIR": str(tmp_path), "CACHE_URL": ""}
     broker = django_settings.CELERY_BROKER_URL
     prefix = f"test-{uuid.uuid4().hex}"
     # The broker's Redis, with keys of our own (nothing is ever cleared).

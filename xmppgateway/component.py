@@ -36,13 +36,17 @@ class PushComponent(ComponentXMPP):
         run_blocking: handlers.RunBlocking,
         max_field_length: int,
         answer_timeout: float = 15.0,
+        accept_publish: handlers.AcceptPublish | None = None,
     ) -> None:
         # fix_error_ns: without it Prosody cannot parse our errors and counts even `wait` ones.
         super().__init__(
             component.jid, component.secret, component.host, component.port, fix_error_ns=True
         )
         self.context = handlers.LinkContext(
-            component=component, max_field_length=max_field_length, run_blocking=run_blocking
+            component=component,
+            max_field_length=max_field_length,
+            run_blocking=run_blocking,
+            accept_publish=accept_publish,
         )
         self.answer_timeout = answer_timeout
         self.in_flight: set[asyncio.Task[Any]] = set()

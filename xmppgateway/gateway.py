@@ -24,15 +24,19 @@ from django.db import Error as DatabaseError
 from django.db import close_old_connections
 
 from relay.models import Component, LinkState
-from relay.services import links
+from relay.services import links, publishing
+from relay.services.publishing import Publish, Verdict
 from relay.services.queue import QueueUnavailable
 from xmppgateway.component import PushComponent
-from xmppgateway.handlers import Unavailable
+from xmppgateway.handlers import RunBlocking, Unavailable
 
 log = logging.getLogger(__name__)
 
 # A link that stayed up this long starts its next reconnect from the shortest delay again.
 STABLE_SECONDS = 30.0
+# Publishes gathered into one check-and-queue call: a few milliseconds, or this many.
+PUBLISH_BATCH_SECONDS = 0.002
+PUBLISH_BATCH_MAX = 100
 
 
 def _link_key(component: Component) -> tuple[Any, ...]:
@@ -103,6 +107,7 @@ class Link:
             self.component,
             run_blocking=self.gateway.run_blocking,
             max_field_length=settings.RELAY["MAX_FIELD_LENGTH"],
+            accept_publish=self.gateway.publishes.accept,
         )
         self.xmpp = xmpp
 
@@ -142,11 +147,68 @@ class Link:
         return reason
 
 
+class PublishBatcher:
+    """Gathers the publishes of every link that arrive within `window` seconds (at most
+    `limit`) into ONE `accept_publishes` call in the executor: one database query, one
+    throttling round trip and one broker message per batch instead of per publish.
+
+    Each publish still gets its own verdict, and only once the batch call returned, that is
+    once its job is in the broker; a batch that fails as a whole answers `wait` to all.
+    """
+
+    def __init__(self, run_blocking: RunBlocking, *, window: float, limit: int) -> None:
+        self._run_blocking = run_blocking
+        self.window = window
+        self.limit = max(1, limit)
+        self._pending: list[tuple[Publish, asyncio.Future[Verdict]]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._running: set[asyncio.Task[None]] = set()
+
+    async def accept(self, publish: Publish) -> Verdict:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Verdict] = loop.create_future()
+        self._pending.append((publish, future))
+        if len(self._pending) >= self.limit:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.window, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, []
+        if batch:
+            task = asyncio.ensure_future(self._accept_batch(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _accept_batch(self, batch: list[tuple[Publish, asyncio.Future[Verdict]]]) -> None:
+        try:
+            verdicts = await self._run_blocking(
+                publishing.accept_publishes, [publish for publish, _ in batch]
+            )
+        except Unavailable:
+            verdicts = [Verdict.UNAVAILABLE] * len(batch)
+        except Exception as error:  # a bug must not leave publishes unanswered
+            log.exception("gateway.batch_crashed", extra={"error_type": type(error).__name__})
+            verdicts = [Verdict.UNAVAILABLE] * len(batch)
+        for (_, future), verdict in zip(batch, verdicts, strict=True):
+            if not future.done():  # its handler may have timed out meanwhile
+                future.set_result(verdict)
+
+
 class Gateway:
     def __init__(self, *, poll_seconds: float | None = None) -> None:
         self.poll_seconds = poll_seconds or settings.RELAY["COMPONENT_POLL_SECONDS"]
         self.executor = ThreadPoolExecutor(
             max_workers=settings.RELAY["GATEWAY_THREADS"], thread_name_prefix="gateway-db"
+        )
+        self.publishes = PublishBatcher(
+            self.run_blocking,
+            window=float(settings.RELAY.get("PUBLISH_BATCH_SECONDS", PUBLISH_BATCH_SECONDS)),
+            limit=int(settings.RELAY.get("PUBLISH_BATCH_MAX", PUBLISH_BATCH_MAX)),
         )
         self.links: dict[int, Link] = {}
         self.stopped = asyncio.Event()

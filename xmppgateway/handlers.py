@@ -34,6 +34,8 @@ from xmppgateway.stanzas import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RunBlocking = Callable[..., Awaitable[Any]]
+# Accepts one publish, possibly batched with others (xmppgateway.gateway.PublishBatcher).
+AcceptPublish = Callable[[publishing.Publish], Awaitable[publishing.Verdict]]
 
 
 class Unavailable(Exception):
@@ -90,6 +92,7 @@ class LinkContext:
     component: Component
     max_field_length: int
     run_blocking: RunBlocking
+    accept_publish: AcceptPublish | None = None
 
 
 # --- disco
@@ -251,7 +254,10 @@ async def publish(ctx: LinkContext, sender: JID, pubsub: ET.Element) -> Answer:
         pending_subscription_count=payload.pending_subscription_count,
     )
     try:
-        verdict = await ctx.run_blocking(publishing.accept_publish, request)
+        if ctx.accept_publish is not None:
+            verdict = await ctx.accept_publish(request)
+        else:
+            verdict = await ctx.run_blocking(publishing.accept_publish, request)
     except Unavailable:
         return error(*TRY_LATER)
     log.log(

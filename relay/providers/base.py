@@ -7,10 +7,14 @@ retry later or failed. Everything else (retries, records, dead registrations) is
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from relay.models import Outcome
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +53,31 @@ class PushProvider(Protocol):
     def close(self) -> None:
         """Release connections when the app's credentials change or the worker stops."""
         ...
+
+    # Optional: `send_many(wakeups) -> list[SendResult]`, one result per wake-up in order,
+    # for providers that can overlap sends (FCM: a thread pool). `send_each` falls back to
+    # a loop over `send`.
+
+
+def send_one(provider: PushProvider, wakeup: Wakeup) -> SendResult:
+    """`provider.send`, where a crash counts as passing trouble (a provider must classify)."""
+    try:
+        return provider.send(wakeup)
+    except Exception as error:
+        log.exception("delivery.provider_crashed", extra={"error_type": type(error).__name__})
+        return SendResult(Outcome.RETRY_LATER, error_code="INTERNAL")
+
+
+def send_each(provider: PushProvider, wakeups: Sequence[Wakeup]) -> list[SendResult]:
+    """Send a batch through the provider's `send_many` if it has one, else one by one."""
+    send_many = getattr(provider, "send_many", None)
+    if send_many is None or len(wakeups) < 2:
+        return [send_one(provider, wakeup) for wakeup in wakeups]
+    try:
+        results = list(send_many(list(wakeups)))
+    except Exception as error:
+        log.exception("delivery.provider_crashed", extra={"error_type": type(error).__name__})
+        results = []
+    if len(results) != len(wakeups):
+        return [SendResult(Outcome.RETRY_LATER, error_code="INTERNAL")] * len(wakeups)
+    return results

@@ -16,7 +16,7 @@ import threading
 from django.conf import settings
 
 from relay.models import Outcome
-from relay.providers.base import PushProvider, SendResult, Wakeup
+from relay.providers.base import PushProvider, SendResult, Wakeup, send_each
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,40 @@ def send_limited(provider: PushProvider, wakeup: Wakeup, *, service: str) -> Sen
             _in_flight[service] -= 1
         if slot is not None:
             slot.release()
+
+
+def send_many_limited(
+    provider: PushProvider, wakeups: list[Wakeup], *, service: str
+) -> list[SendResult]:
+    """A batch through `send_each`, one cap slot per wake-up: it waits (as `send_limited`)
+    for a first slot, takes what else is free at once, sends those, and repeats; whatever
+    finds no slot in time is RETRY_LATER, as a single send would be."""
+    if len(wakeups) == 1:
+        return [send_limited(provider, wakeups[0], service=service)]
+    slot = _semaphore(service)
+    results: list[SendResult] = []
+    while len(results) < len(wakeups):
+        remaining = wakeups[len(results) :]
+        taken = len(remaining)
+        if slot is not None:
+            if not slot.acquire(timeout=float(settings.RELAY["IN_FLIGHT_WAIT_SECONDS"])):
+                log.warning("delivery.in_flight_cap", extra={"provider": service})
+                results.extend([SendResult(Outcome.RETRY_LATER, IN_FLIGHT_CAP)] * taken)
+                break
+            taken = 1
+            while taken < len(remaining) and slot.acquire(blocking=False):
+                taken += 1
+        with _lock:
+            _in_flight[service] = _in_flight.get(service, 0) + taken
+        try:
+            results.extend(send_each(provider, remaining[:taken]))
+        finally:
+            with _lock:
+                _in_flight[service] -= taken
+            if slot is not None:
+                for _ in range(taken):
+                    slot.release()
+    return results
 
 
 def reset() -> None:

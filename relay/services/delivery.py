@@ -31,10 +31,10 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
-from relay.models import DeadLetter, Delivery, Outcome, Priority, Registration
+from relay.models import App, DeadLetter, Delivery, Outcome, Priority, Registration
 from relay.providers import registry
 from relay.providers.base import SendResult, Wakeup
-from relay.providers.limits import send_limited
+from relay.providers.limits import send_many_limited
 from relay.services import queue, throttling
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ def _age_seconds(job: queue.SendJob, now: datetime) -> float:
     return (now - start).total_seconds()
 
 
-def _send(registration: Registration, job: queue.SendJob) -> SendResult:
-    wakeup = Wakeup(
+def _wakeup(registration: Registration, job: queue.SendJob) -> Wakeup:
+    return Wakeup(
         push_id=job.push_id,
         token=registration.token,
         account=registration.device_hash,
@@ -81,15 +81,21 @@ def _send(registration: Registration, job: queue.SendJob) -> SendResult:
         message_count=job.message_count,
         pending_subscription_count=job.pending_subscription_count,
     )
+
+
+def _send_group(group: list[tuple[Registration, queue.SendJob]]) -> list[SendResult]:
+    """Send wake-ups that share an app and a service through one provider."""
+    registration = group[0][0]
     try:
         provider = registry.provider_for(registration.app, registration.service)
     except registry.NotConfigured as error:
-        return SendResult(Outcome.FAILED, error_code=error.code)
+        return [SendResult(Outcome.FAILED, error_code=error.code)] * len(group)
+    wakeups = [_wakeup(registration, job) for registration, job in group]
     try:
-        return send_limited(provider, wakeup, service=registration.service)
+        return send_many_limited(provider, wakeups, service=registration.service)
     except Exception as error:  # a provider must classify; a crash is treated as passing trouble
         log.exception("delivery.provider_crashed", extra={"error_type": type(error).__name__})
-        return SendResult(Outcome.RETRY_LATER, error_code="INTERNAL")
+        return [SendResult(Outcome.RETRY_LATER, error_code="INTERNAL")] * len(group)
 
 
 def _claim_folded(registration: Registration, job: queue.SendJob) -> queue.SendJob:
@@ -140,50 +146,95 @@ def _retry(job: queue.SendJob, result: SendResult, now: datetime) -> str:
 
 
 def deliver(job: queue.SendJob) -> Outcome:
-    registration = Registration.objects.select_related("app").filter(pk=job.registration_id).first()
-    if registration is None:
-        log.info("delivery.registration_gone", extra={"push_id": job.push_id})
-        return Outcome.FAILED
-    if job.coalesced and job.attempt == 1:
-        job = _claim_folded(registration, job)
-    if registration.dead_since is not None:
-        result = SendResult(Outcome.DEAD_TOKEN, error_code="ALREADY_DEAD")
-    else:
-        result = _send(registration, job)
+    """Send one queued push and act on its outcome (a batch of one)."""
+    return deliver_many([job])[0]
+
+
+def _load_registrations(ids: set[int]) -> dict[int, Registration]:
+    """The batch's registrations with their apps: two queries, and each app's credentials
+    decrypted once per batch instead of once per row."""
+    registrations = Registration.objects.in_bulk(ids)
+    apps = App.objects.in_bulk({registration.app_id for registration in registrations.values()})
+    for registration in registrations.values():
+        registration.app = apps[registration.app_id]
+    return registrations
+
+
+def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
+    """Send a batch of queued pushes; one outcome per job, in order.
+
+    Each job ends exactly as `deliver` alone would end it (retried with its own backoff and
+    push id, dead-lettered, recorded), but the batch shares its queries: the registrations in
+    two, the sends grouped per app and service (the provider may overlap them), the dead
+    tokens, `last_push` and the Delivery rows in one statement each.
+    """
+    outcomes: list[Outcome] = [Outcome.FAILED] * len(jobs)
+    registrations = _load_registrations({job.registration_id for job in jobs})
+    items: list[tuple[int, Registration, queue.SendJob]] = []
+    results: dict[int, SendResult] = {}
+    groups: dict[tuple[int, str], list[tuple[int, Registration, queue.SendJob]]] = {}
+    for index, job in enumerate(jobs):
+        registration = registrations.get(job.registration_id)
+        if registration is None:
+            log.info("delivery.registration_gone", extra={"push_id": job.push_id})
+            continue
+        if job.coalesced and job.attempt == 1:
+            job = _claim_folded(registration, job)
+        items.append((index, registration, job))
+        if registration.dead_since is not None:
+            results[index] = SendResult(Outcome.DEAD_TOKEN, error_code="ALREADY_DEAD")
+        else:
+            key = (registration.app_id, registration.service)
+            groups.setdefault(key, []).append((index, registration, job))
+    for group in groups.values():
+        sent = _send_group([(registration, job) for _, registration, job in group])
+        for (index, _, _), result in zip(group, sent, strict=True):
+            results[index] = result
+
     now = timezone.now()
-    given_up = ""
-    if result.outcome == Outcome.RETRY_LATER:
-        given_up = _retry(job, result, now)
-        if not given_up:
-            return Outcome.RETRY_LATER
-        result = SendResult(Outcome.FAILED, error_code=result.error_code or "RETRY_LATER")
-    elif result.outcome == Outcome.FAILED:
-        given_up = f"failed: {result.error_code or 'UNKNOWN'}"
-    if result.outcome == Outcome.DEAD_TOKEN:
-        Registration.objects.filter(pk=registration.pk, dead_since__isnull=True).update(
-            dead_since=now
+    dead: list[int] = []
+    delivered: list[int] = []
+    rows: dict[str, Delivery] = {}
+    for index, registration, job in items:
+        result = results[index]
+        given_up = ""
+        if result.outcome == Outcome.RETRY_LATER:
+            given_up = _retry(job, result, now)
+            if not given_up:
+                outcomes[index] = Outcome.RETRY_LATER
+                continue
+            result = SendResult(Outcome.FAILED, error_code=result.error_code or "RETRY_LATER")
+        elif result.outcome == Outcome.FAILED:
+            given_up = f"failed: {result.error_code or 'UNKNOWN'}"
+        if result.outcome == Outcome.DEAD_TOKEN:
+            dead.append(registration.pk)
+        if result.outcome == Outcome.DELIVERED:
+            delivered.append(registration.pk)
+        if given_up:
+            _dead_letter(registration, job, given_up)
+        rows[job.push_id] = _row(registration, job, result, now)
+        outcomes[index] = result.outcome
+        log.info(
+            "delivery.done",
+            extra={
+                "push_id": job.push_id,
+                "provider": registration.service,
+                "outcome": result.outcome.value,
+                "code": result.error_code,
+                "attempt": job.attempt,
+                "coalesced": job.folded,
+                "dead_letter": bool(given_up),
+            },
         )
-    if result.outcome == Outcome.DELIVERED:
+    if dead:
+        Registration.objects.filter(pk__in=dead, dead_since__isnull=True).update(dead_since=now)
+    if delivered:
         stale = now - timezone.timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
         Registration.objects.filter(
-            Q(last_push__isnull=True) | Q(last_push__lt=stale), pk=registration.pk
+            Q(last_push__isnull=True) | Q(last_push__lt=stale), pk__in=delivered
         ).update(last_push=now)
-    if given_up:
-        _dead_letter(registration, job, given_up)
-    _record(registration, job, result, now)
-    log.info(
-        "delivery.done",
-        extra={
-            "push_id": job.push_id,
-            "provider": registration.service,
-            "outcome": result.outcome.value,
-            "code": result.error_code,
-            "attempt": job.attempt,
-            "coalesced": job.folded,
-            "dead_letter": bool(given_up),
-        },
-    )
-    return result.outcome
+    _record(list(rows.values()))
+    return outcomes
 
 
 def _dead_letter(registration: Registration, job: queue.SendJob, reason: str) -> None:
@@ -207,29 +258,33 @@ def _dead_letter(registration: Registration, job: queue.SendJob, reason: str) ->
     )
 
 
-def _record(
+def _row(
     registration: Registration, job: queue.SendJob, result: SendResult, now: datetime
-) -> None:
+) -> Delivery:
+    return Delivery(
+        push_id=uuid.UUID(job.push_id),
+        tenant_id=registration.app.tenant_id,
+        app_id=registration.app_id,
+        registration_id=registration.pk,
+        provider=registration.service,
+        publishing_domain=job.publishing_domain,
+        priority=Priority.HIGH if job.important else Priority.NORMAL,
+        received=datetime.fromisoformat(job.received),
+        queued=datetime.fromisoformat(job.queued) if job.queued else now,
+        sent=now if result.outcome == Outcome.DELIVERED else None,
+        attempts=job.attempt,
+        outcome=result.outcome,
+        error_code=result.error_code[:64],
+        coalesced=job.folded,
+    )
+
+
+def _record(rows: list[Delivery]) -> None:
     """One row per push id: a redelivered or replayed push updates its row, never adds one."""
+    if not rows:
+        return
     Delivery.objects.bulk_create(
-        [
-            Delivery(
-                push_id=uuid.UUID(job.push_id),
-                tenant_id=registration.app.tenant_id,
-                app_id=registration.app_id,
-                registration_id=registration.pk,
-                provider=registration.service,
-                publishing_domain=job.publishing_domain,
-                priority=Priority.HIGH if job.important else Priority.NORMAL,
-                received=datetime.fromisoformat(job.received),
-                queued=datetime.fromisoformat(job.queued) if job.queued else now,
-                sent=now if result.outcome == Outcome.DELIVERED else None,
-                attempts=job.attempt,
-                outcome=result.outcome,
-                error_code=result.error_code[:64],
-                coalesced=job.folded,
-            )
-        ],
+        rows,
         # The first record's priority and coalesced count stay: a redelivered copy of a
         # coalesced send no longer knows what was folded into it.
         update_conflicts=True,

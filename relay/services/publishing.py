@@ -21,7 +21,8 @@ void forever (Prosody never stops on `wait`), and the phone re-registers by itse
 domain is allowed again.
 
 The hot path is one database query, at most one round trip to the throttling store, and the
-broker publish.
+broker publish, each shared by a batch of publishes (`accept_publishes`; the gateway gathers
+the publishes that arrive within a few milliseconds).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import DatabaseError
+from django.db.models import Q
 from django.utils import timezone
 
 from relay.models import Registration
@@ -81,48 +83,165 @@ def domain_allowed(*, allowed_domains: str, domain: str) -> bool:
     return False
 
 
-def _find_registration(publish: Publish) -> Registration | None:
-    return (
-        Registration.objects.filter(
-            component_id=publish.component_id,
-            node=publish.node,
-            # "": a Windows account registered by account id, bound at its first publish.
-            account_domain__in=(publish.publishing_domain, ""),
-        )
+_REGISTRATION_FIELDS = (
+    "id",
+    "component_id",
+    "node",
+    "secret",
+    "account_domain",
+    "dead_since",
+    "service",
+    "app_id",
+    "app__tenant__id",
+    "app__tenant__created",
+    "app__tenant__suspended",
+    "app__tenant__allowed_domains",
+    "app__tenant__rate_limit_per_second",
+    "app__tenant__rate_limit_burst",
+)
+
+
+def _find_registrations(publishes: list[Publish]) -> dict[tuple[int, str], Registration]:
+    """Every registration the batch names, in ONE query, by (component, node) (unique)."""
+    nodes: dict[int, set[str]] = {}
+    for publish in publishes:
+        nodes.setdefault(publish.component_id, set()).add(publish.node)
+    condition = Q()
+    for component_id, component_nodes in nodes.items():
+        condition |= Q(component_id=component_id, node__in=sorted(component_nodes))
+    rows = (
+        Registration.objects.filter(condition)
         .select_related("app__tenant")
-        .only(
-            "id",
-            "node",
-            "secret",
-            "account_domain",
-            "dead_since",
-            "service",
-            "app_id",
-            "app__tenant__id",
-            "app__tenant__created",
-            "app__tenant__suspended",
-            "app__tenant__allowed_domains",
-            "app__tenant__rate_limit_per_second",
-            "app__tenant__rate_limit_burst",
-        )
-        .first()
+        .only(*_REGISTRATION_FIELDS)
     )
+    return {(row.component_id, row.node): row for row in rows}
 
 
 def accept_publish(publish: Publish) -> Verdict:
     """Check node, secret and tenant policy, then queue the send durably before answering."""
-    received = publish.received or timezone.now()
+    return accept_publishes([publish])[0]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A publish that passed the checks and waits for its throttling decision and queueing."""
+
+    index: int
+    publish: Publish
+    registration: Registration
+    push_id: str
+    received: datetime
+
+
+def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
+    """`accept_publish` for a batch, one verdict per publish in order: one database query,
+    one throttling round trip, and ONE broker message for the sends that go out now.
+
+    A publish is ACCEPTED only once its job (or the pending send it folded into) is in the
+    broker; when the batch message cannot be queued, every publish that needed it is
+    answered UNAVAILABLE (`wait`) and nothing of the batch is queued.
+    """
+    now = timezone.now()
+    verdicts: list[Verdict | None] = [None] * len(publishes)
     try:
-        registration = _find_registration(publish)
+        found = _find_registrations(publishes)
     except DatabaseError:
-        log.warning("publish.database_unavailable", extra={"component": publish.component_id})
-        return Verdict.UNAVAILABLE
+        log.warning("publish.database_unavailable", extra={"publishes": len(publishes)})
+        return [Verdict.UNAVAILABLE] * len(publishes)
+    pending: list[_Pending] = []
+    bound: dict[int, str] = {}  # account domains bound by this batch
+    for index, publish in enumerate(publishes):
+        registration = found.get((publish.component_id, publish.node))
+        verdict = _check(publish, registration, bound)
+        if verdict is not None:
+            verdicts[index] = verdict
+            continue
+        assert registration is not None
+        pending.append(
+            _Pending(index, publish, registration, str(uuid.uuid4()), publish.received or now)
+        )
+
+    admissions = throttling.admit_many(
+        requests=[
+            throttling.AdmitRequest(
+                tenant=item.registration.app.tenant,
+                registration=item.registration,
+                push_id=item.push_id,
+                fold=throttling.Fold(
+                    important=item.publish.important,
+                    message_count=item.publish.message_count,
+                    pending_subscription_count=item.publish.pending_subscription_count,
+                ),
+            )
+            for item in pending
+        ]
+    )
+    now_jobs: list[tuple[_Pending, queue.SendJob]] = []
+    later_jobs: list[tuple[_Pending, queue.SendJob, float]] = []
+    folded: list[tuple[_Pending, str]] = []
+    for item, admission in zip(pending, admissions, strict=True):
+        if admission.decision is throttling.Decision.LIMITED:
+            log.info(
+                "publish.rate_limited",
+                extra={
+                    "tenant": item.registration.app.tenant.pk,
+                    "retry_in": round(admission.delay, 3),
+                },
+            )
+            verdicts[item.index] = Verdict.RATE_LIMITED
+        elif admission.decision is throttling.Decision.FOLDED:
+            folded.append((item, admission.push_id))
+        else:
+            scheduled = admission.decision is throttling.Decision.SCHEDULE
+            job = _job(item, coalesced=scheduled)
+            if scheduled:
+                later_jobs.append((item, job, admission.delay))
+            else:
+                now_jobs.append((item, job))
+
+    failed_push_ids: set[str] = set()
+    try:
+        queue.enqueue_sends([job for _, job in now_jobs])
+    except queue.QueueUnavailable:
+        log.warning("publish.queue_unavailable", extra={"publishes": len(publishes)})
+        failed_push_ids = {item.push_id for item, _ in now_jobs}
+        failed_push_ids |= {item.push_id for item, _, _ in later_jobs}
+    for item, job, delay in later_jobs:
+        # A delayed send has its own due time, so its own message (rare: a repeat publish).
+        if item.push_id not in failed_push_ids:
+            try:
+                queue.enqueue_send(job, countdown=delay)
+            except queue.QueueUnavailable:
+                log.warning("publish.queue_unavailable", extra={"publishes": 1})
+                failed_push_ids.add(item.push_id)
+        if item.push_id in failed_push_ids:
+            throttling.abandon(registration=item.registration, push_id=item.push_id)
+    for item in [item for item, _ in now_jobs] + [item for item, _, _ in later_jobs]:
+        failed = item.push_id in failed_push_ids
+        verdicts[item.index] = Verdict.UNAVAILABLE if failed else Verdict.ACCEPTED
+    for item, into in folded:
+        # Folded into a send this batch failed to queue: that send does not exist.
+        if into in failed_push_ids:
+            verdicts[item.index] = Verdict.UNAVAILABLE
+        else:
+            log.info("publish.coalesced", extra={"push_id": into})
+            verdicts[item.index] = Verdict.ACCEPTED
+    return [verdict or Verdict.UNAVAILABLE for verdict in verdicts]
+
+
+def _check(
+    publish: Publish, registration: Registration | None, bound: dict[int, str]
+) -> Verdict | None:
+    """The verdict of the node, secret and tenant checks, or None when the publish passes."""
     if registration is None or registration.dead_since is not None:
+        return Verdict.UNKNOWN_NODE
+    domain = bound.get(registration.pk, registration.account_domain)
+    if domain not in (publish.publishing_domain, ""):
         return Verdict.UNKNOWN_NODE
     if not hmac.compare_digest(registration.secret.encode(), publish.secret.encode()):
         log.info("publish.forbidden", extra={"component": publish.component_id})
         return Verdict.FORBIDDEN
-    if not registration.account_domain:
+    if not domain:
         # The UWPX client names accounts by hash only (relay.services.uwpx): the first server
         # to publish with the right node and secret owns the registration from now on.
         try:
@@ -131,6 +250,7 @@ def accept_publish(publish: Publish) -> Verdict:
             )
         except DatabaseError:
             return Verdict.UNAVAILABLE
+        bound[registration.pk] = publish.publishing_domain
     tenant = registration.app.tenant
     if tenant.suspended:
         log.info("publish.tenant_suspended", extra={"tenant": tenant.pk})
@@ -138,44 +258,17 @@ def accept_publish(publish: Publish) -> Verdict:
     if not domain_allowed(allowed_domains=tenant.allowed_domains, domain=publish.publishing_domain):
         log.info("publish.domain_not_allowed", extra={"tenant": tenant.pk})
         return Verdict.FORBIDDEN
+    return None
 
-    push_id = str(uuid.uuid4())
-    admission = throttling.admit(
-        tenant=tenant,
-        registration=registration,
-        push_id=push_id,
-        fold=throttling.Fold(
-            important=publish.important,
-            message_count=publish.message_count,
-            pending_subscription_count=publish.pending_subscription_count,
-        ),
-    )
-    if admission.decision is throttling.Decision.LIMITED:
-        log.info(
-            "publish.rate_limited",
-            extra={"tenant": tenant.pk, "retry_in": round(admission.delay, 3)},
-        )
-        return Verdict.RATE_LIMITED
-    if admission.decision is throttling.Decision.FOLDED:
-        log.info("publish.coalesced", extra={"push_id": admission.push_id})
-        return Verdict.ACCEPTED
 
-    scheduled = admission.decision is throttling.Decision.SCHEDULE
-    job = queue.SendJob(
-        push_id=push_id,
-        registration_id=registration.pk,
-        publishing_domain=publish.publishing_domain,
-        important=publish.important,
-        message_count=publish.message_count,
-        pending_subscription_count=publish.pending_subscription_count,
-        received=received.isoformat(),
-        coalesced=scheduled,
+def _job(item: _Pending, *, coalesced: bool) -> queue.SendJob:
+    return queue.SendJob(
+        push_id=item.push_id,
+        registration_id=item.registration.pk,
+        publishing_domain=item.publish.publishing_domain,
+        important=item.publish.important,
+        message_count=item.publish.message_count,
+        pending_subscription_count=item.publish.pending_subscription_count,
+        received=item.received.isoformat(),
+        coalesced=coalesced,
     )
-    try:
-        queue.enqueue_send(job, countdown=admission.delay if scheduled else None)
-    except queue.QueueUnavailable:
-        log.warning("publish.queue_unavailable", extra={"component": publish.component_id})
-        if scheduled:
-            throttling.abandon(registration=registration, push_id=push_id)
-        return Verdict.UNAVAILABLE
-    return Verdict.ACCEPTED

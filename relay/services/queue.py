@@ -56,3 +56,24 @@ def enqueue_send(job: SendJob, *, countdown: float | None = None) -> SendJob:
         log.warning("queue.publish_failed", extra={"error_type": type(error).__name__})
         raise QueueUnavailable from error
     return job
+
+
+def enqueue_sends(jobs: list[SendJob]) -> list[SendJob]:
+    """Publish jobs that go out now as ONE broker message (relay.send_pushes); returns only
+    once the broker has it. A single job travels as relay.send_push, as before."""
+    if not jobs:
+        return []
+    if len(jobs) == 1:
+        return [enqueue_send(jobs[0])]
+    from relay.tasks import send_pushes
+
+    queued = timezone.now().isoformat()
+    jobs = [dataclasses.replace(job, queued=job.queued or queued) for job in jobs]
+    try:
+        send_pushes.apply_async(args=[[job.to_message() for job in jobs]])
+    except Exception as error:  # kombu, redis, amqp and socket errors all mean "not queued"
+        log.warning(
+            "queue.publish_failed", extra={"error_type": type(error).__name__, "jobs": len(jobs)}
+        )
+        raise QueueUnavailable from error
+    return jobs

@@ -71,6 +71,16 @@ class Admission:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """One publish to decide in a batch (`admit_many`)."""
+
+    tenant: Tenant
+    registration: Registration
+    push_id: str
+    fold: Fold
+
+
+@dataclass(frozen=True, slots=True)
 class Taken:
     """The merged publishes a coalesced send carries."""
 
@@ -94,10 +104,22 @@ class StateUnavailable(Exception):
     """The store did not answer; callers fail open."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    bucket: str
+    limit: Limit
+    window_key: str
+    window: float
+    push_id: str
+    fold: Fold
+
+
 class _Store(Protocol):
     def admit(
         self, bucket: str, limit: Limit, window_key: str, window: float, push_id: str, fold: Fold
     ) -> Admission: ...
+
+    def admit_many(self, asks: list[_Ask]) -> list[Admission]: ...
 
     def take(self, window_key: str, push_id: str, window: float) -> Taken | None: ...
 
@@ -165,6 +187,40 @@ def admit(*, tenant: Tenant, registration: Registration, push_id: str, fold: Fol
     except StateUnavailable as error:
         _failed(error)
         return Admission(Decision.SEND)
+
+
+def admit_many(*, requests: list[AdmitRequest]) -> list[Admission]:
+    """`admit` for a batch of publishes in ONE round trip, decided in list order (as if one
+    after another: a second publish for the same registration folds into the first)."""
+    window = coalesce_window()
+    admissions: list[Admission] = [Admission(Decision.SEND)] * len(requests)
+    indexes: list[int] = []
+    asks: list[_Ask] = []
+    for index, request in enumerate(requests):
+        limit = tenant_limit(request.tenant)
+        if limit.unlimited and window <= 0:
+            continue
+        indexes.append(index)
+        asks.append(
+            _Ask(
+                bucket_key(request.tenant),
+                limit,
+                window_key(request.registration),
+                window,
+                request.push_id,
+                request.fold,
+            )
+        )
+    if not asks or not _available():
+        return admissions
+    try:
+        answers = _store().admit_many(asks)
+    except StateUnavailable as error:
+        _failed(error)
+        return admissions
+    for index, admission in zip(indexes, answers, strict=True):
+        admissions[index] = admission
+    return admissions
 
 
 def take(*, registration: Registration, push_id: str) -> Taken | None:
@@ -295,6 +351,28 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _admit_call(ask: _Ask) -> tuple[list[str], list[Any]]:
+    keys = [KEY_PREFIX + ask.bucket, KEY_PREFIX + ask.window_key]
+    args = [
+        repr(max(0.0, ask.limit.rate)),
+        ask.limit.burst,
+        repr(ask.window),
+        repr(GRACE_SECONDS),
+        ask.push_id,
+        "1" if ask.fold.important else "0",
+        _count(ask.fold.message_count),
+        _count(ask.fold.pending_subscription_count),
+    ]
+    return keys, args
+
+
+def _admission(answer: list[str]) -> Admission:
+    decision = Decision(answer[0])
+    if decision is Decision.FOLDED:
+        return Admission(decision, push_id=answer[1])
+    return Admission(decision, delay=max(0.0, float(answer[1])))
+
+
 class _RedisStore:
     def __init__(self, url: str) -> None:
         import redis
@@ -316,24 +394,21 @@ class _RedisStore:
     def admit(
         self, bucket: str, limit: Limit, window_key: str, window: float, push_id: str, fold: Fold
     ) -> Admission:
-        answer = self._run(
-            self._admit,
-            [KEY_PREFIX + bucket, KEY_PREFIX + window_key],
-            [
-                repr(max(0.0, limit.rate)),
-                limit.burst,
-                repr(window),
-                repr(GRACE_SECONDS),
-                push_id,
-                "1" if fold.important else "0",
-                _count(fold.message_count),
-                _count(fold.pending_subscription_count),
-            ],
-        )
-        decision = Decision(answer[0])
-        if decision is Decision.FOLDED:
-            return Admission(decision, push_id=answer[1])
-        return Admission(decision, delay=max(0.0, float(answer[1])))
+        ask = _Ask(bucket, limit, window_key, window, push_id, fold)
+        keys, args = _admit_call(ask)
+        return _admission(self._run(self._admit, keys, args))
+
+    def admit_many(self, asks: list[_Ask]) -> list[Admission]:
+        """One pipeline of the admit script: one round trip (plus SCRIPT EXISTS) per batch."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for ask in asks:
+                keys, args = _admit_call(ask)
+                self._admit(keys=keys, args=args, client=pipe)
+            answers = pipe.execute()
+        except self._errors as error:
+            raise StateUnavailable(type(error).__name__) from error
+        return [_admission([_text(item) for item in answer]) for answer in answers]
 
     def take(self, window_key: str, push_id: str, window: float) -> Taken | None:
         answer = self._run(
@@ -462,6 +537,12 @@ class _SqliteStore:
             conn.execute(_FRESH_WINDOW, (window_key, now, now + window + GRACE_SECONDS))
             return Admission(Decision.SEND)
 
+    def admit_many(self, asks: list[_Ask]) -> list[Admission]:
+        """One host: a transaction per decision is cheap, and keeps each one atomic."""
+        return [
+            self.admit(a.bucket, a.limit, a.window_key, a.window, a.push_id, a.fold) for a in asks
+        ]
+
     def take(self, window_key: str, push_id: str, window: float) -> Taken | None:
         with self._transaction() as conn:
             now = time.time()
@@ -552,6 +633,7 @@ def _open(url: str) -> _Store:
 
 __all__ = [
     "Admission",
+    "AdmitRequest",
     "Decision",
     "Fold",
     "Limit",
@@ -559,6 +641,7 @@ __all__ = [
     "Taken",
     "abandon",
     "admit",
+    "admit_many",
     "reset",
     "take",
     "tenant_limit",
