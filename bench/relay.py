@@ -54,6 +54,35 @@ def prepare_database(admin_url: str) -> str:
     return admin_url.rsplit("/", 1)[0] + f"/{BENCH_DB}"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its reaped children (prefork) so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # After the ")": state is field 3, so utime/stime/cutime/cstime are fields 14..17.
+    ticks = sum(int(value) for value in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def service_cpu(pids: dict[str, int], names: tuple[str, ...]) -> dict[str, float]:
+    """CPU seconds of our processes plus the PostgreSQL and Redis servers (by process name)."""
+    figures = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    figures["bench_client"] = cpu_seconds(os.getpid())
+    for name in names:
+        total = 0.0
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    comm = (entry / "comm").read_text().strip()
+                except OSError:
+                    continue
+                if comm.startswith(name):
+                    total += cpu_seconds(int(entry.name))
+        figures[name] = total
+    return figures
+
+
 def wait_http(url: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -198,6 +227,10 @@ def main() -> None:
             await asyncio.to_thread(wait_fake_count, fake_url, len(warm), 60)
             server.sent_at.clear()
             server.answered_at.clear()
+            pids = {"fake_fcm": fake.pid, "gateway": processes[1].pid}
+            for number, worker in enumerate(processes[2:]):
+                pids[f"worker_{number}"] = worker.pid
+            cpu_before = service_cpu(pids, ("postgres", "redis-server"))
             started_wall = time.time()
             started = time.perf_counter()
             batch = [(f"p-{i}", r.node, r.secret) for i, r in enumerate(registrations)]
@@ -206,6 +239,7 @@ def main() -> None:
             total_expected = len(warm) + len(batch)
             await asyncio.to_thread(wait_fake_count, fake_url, total_expected, 600)
             finished = time.perf_counter()
+            cpu_after = service_cpu(pids, ("postgres", "redis-server"))
             records = fetch_fake_records(fake_url)
             await server.close()
             send_wall = {
@@ -228,6 +262,16 @@ def main() -> None:
                 "pushes_per_second_end_to_end": round(len(batch) / (finished - started), 1),
                 "latency_ms_publish_to_result": percentiles(to_result),
                 "latency_ms_publish_to_fcm": percentiles(to_fcm),
+                # CPU per push over the measured run (postgres/redis: every server process,
+                # other users of the machine included).
+                "cpu_ms_per_push": {
+                    name: round((cpu_after[name] - cpu_before[name]) * 1000 / len(batch), 3)
+                    for name in cpu_after
+                },
+                "cpu_busy_fraction": {
+                    name: round((cpu_after[name] - cpu_before[name]) / (finished - started), 2)
+                    for name in cpu_after
+                },
             }
 
         results = asyncio.run(run())

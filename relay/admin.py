@@ -400,7 +400,7 @@ class TenantAdmin(TenantScopedAdmin):
     @admin.display(description="status", ordering="suspended")
     def status(self, obj: Tenant) -> SafeString:
         if obj.suspended:
-            return format_html('<strong style="color:#c62828">suspended</strong>')
+            return format_html('<strong style="color:#c62828">{}</strong>', "suspended")
         return mark_safe("active")
 
     @admin.display(description="apps", ordering="app_count")

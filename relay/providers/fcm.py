@@ -16,6 +16,7 @@ import email.utils
 import functools
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -28,6 +29,9 @@ import firebase_admin
 import google.auth.exceptions
 import requests
 import requests.adapters
+import requests.certs
+import requests.structures
+import urllib3
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from firebase_admin import credentials, exceptions, messaging
@@ -47,8 +51,9 @@ _BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
 # Statuses that mean "FCM or the path to it is having a moment": try again later.
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_FCM_CODES = frozenset({"QUOTA_EXCEEDED", "UNAVAILABLE", "INTERNAL"})
-# Concurrent requests of one `send_many` batch (the session's pool holds 100 connections).
-SEND_MANY_THREADS = 16
+# Threads shared by this provider's `send_many` batches (the session's pool holds 100
+# connections; RELAY MAX_IN_FLIGHT_PER_PROVIDER bounds what is actually in flight).
+SEND_MANY_THREADS = 64
 
 
 def _check_url(value: str, what: str) -> str:
@@ -123,6 +128,7 @@ def _point_service_at(service: Any, credential: Any, endpoint: str, project_id: 
       providers with different endpoints coexist).
     - The library retries 500/503 four times with backoff (~8 s) and read errors once; our
       Celery task retries with its own backoff, so the endpoint gets an adapter with no retries.
+    - The session reads the environment's proxy and CA settings once, not per request.
     - google-auth looks up a "regional access boundary" at iamcredentials.googleapis.com in a
       background thread; against a non-Google endpoint (a fake, a proxy) that is a pointless
       request to Google carrying our bearer token, so it is switched off there.
@@ -133,7 +139,15 @@ def _point_service_at(service: Any, credential: Any, endpoint: str, project_id: 
     service._fcm_url = url
     adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=100, max_retries=0)
     # requests picks the longest matching prefix, so this beats the library's own mounts.
-    service._client.session.mount(endpoint.rstrip("/") + "/", adapter)
+    session = service._client.session
+    session.mount(endpoint.rstrip("/") + "/", adapter)
+    # requests re-reads proxy, CA bundle and .netrc settings from the environment on every
+    # request (a tenth of a send's CPU); read them once here instead.
+    session.proxies.update(requests.utils.get_environ_proxies(url))
+    bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
+    if bundle and session.verify is True:
+        session.verify = bundle
+    session.trust_env = False
     if endpoint.rstrip("/") != GOOGLE_FCM_ENDPOINT and hasattr(
         credential, "_is_regional_access_boundary_lookup_required"
     ):
@@ -273,6 +287,27 @@ def build_message(wakeup: Wakeup, payload: FcmPayload | None = None) -> messagin
     return message
 
 
+def _direct_client(service: Any, url: str) -> tuple[urllib3.PoolManager | None, dict[str, str]]:
+    """A urllib3 pool for `send_many` and the headers the firebase-admin session sends
+    (its own, the FCM ones; google-auth adds the bearer token per request). None when a
+    proxy applies to `url`: then batches go through `send` (requests handles proxies)."""
+    session = service._client.session
+    headers = {key: str(value) for key, value in session.headers.items()}
+    headers.update(service._fcm_headers)
+    headers["Content-Type"] = "application/json"
+    if requests.utils.get_environ_proxies(url) or session.proxies:
+        return None, headers
+    verify = session.verify
+    if verify is False:
+        http = urllib3.PoolManager(maxsize=SEND_MANY_THREADS, cert_reqs="CERT_NONE")
+    else:
+        bundle = verify if isinstance(verify, str) else requests.certs.where()
+        http = urllib3.PoolManager(
+            maxsize=SEND_MANY_THREADS, cert_reqs="CERT_REQUIRED", ca_certs=bundle
+        )
+    return http, headers
+
+
 def _default_timeout() -> float:
     from django.conf import settings
 
@@ -312,6 +347,7 @@ class FcmProvider:
             self.send_url = _point_service_at(
                 self._service, self._credential, config.endpoint, config.project_id
             )
+            self._direct, self._direct_headers = _direct_client(self._service, self.send_url)
             self._token_session = requests.Session()
             self._token_request = functools.partial(
                 GoogleAuthRequest(self._token_session), timeout=self.timeout
@@ -359,9 +395,10 @@ class FcmProvider:
         return SendResult.delivered()
 
     def send_many(self, wakeups: list[Wakeup]) -> list[SendResult]:
-        """A batch over a small shared thread pool: FCM v1 has one request per message, so the
-        gain is overlapping their round trips (firebase-admin's `send_each` would start a
-        new pool per call)."""
+        """A batch over a thread pool shared by this provider's batches, each request straight
+        through urllib3 (`_send_direct`): the same message, headers, token and classification
+        as `send`, at half its CPU. firebase-admin's `send_each` would start a new pool per
+        call and go through requests like `send`."""
         with self._close_lock:
             if self._closed:
                 return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
@@ -377,10 +414,65 @@ class FcmProvider:
 
     def _send_guarded(self, wakeup: Wakeup) -> SendResult:
         try:
-            return self.send(wakeup)
+            if self._direct is None:
+                return self.send(wakeup)  # a proxy is configured: requests knows how
+            return self._send_direct(wakeup, self._direct)
         except Exception as error:  # one crash must not cost the batch its other results
             logger.exception("fcm send crashed", extra={"error_type": type(error).__name__})
             return SendResult(Outcome.RETRY_LATER, "INTERNAL")
+
+    def _send_direct(self, wakeup: Wakeup, http: urllib3.PoolManager) -> SendResult:
+        if self._closed:
+            return SendResult(Outcome.RETRY_LATER, "CLOSED")
+        if not wakeup.token:
+            return SendResult(Outcome.DEAD_TOKEN, "EMPTY_TOKEN")
+        data = self._service._message_data(build_message(wakeup, self.payload), False)
+        headers = dict(self._direct_headers)
+        try:
+            self._ensure_token()
+            self._credential.before_request(self._token_request, "POST", self.send_url, headers)
+        except google.auth.exceptions.GoogleAuthError as error:
+            return self._not_delivered(wakeup, classify(error))
+        try:
+            answer = http.request(
+                "POST",
+                self.send_url,
+                body=json.dumps(data).encode(),
+                headers=headers,
+                timeout=urllib3.Timeout(connect=self.timeout, read=self.timeout),
+                retries=False,
+                redirect=False,
+            )
+        except urllib3.exceptions.TimeoutError:
+            return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "TIMEOUT"))
+        except urllib3.exceptions.HTTPError:
+            return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
+        if 200 <= answer.status < 300:
+            return SendResult.delivered()
+        if answer.status == 401:
+            # A token revoked early: google-auth's refresh-and-retry lives in `send`.
+            return self.send(wakeup)
+        response = requests.Response()
+        response.status_code = answer.status
+        response.headers = requests.structures.CaseInsensitiveDict(answer.headers)
+        response._content = answer.data
+        response.url = self.send_url
+        error = self._service._handle_fcm_error(requests.exceptions.HTTPError(response=response))
+        return self._not_delivered(wakeup, classify(error))
+
+    def _not_delivered(self, wakeup: Wakeup, result: SendResult) -> SendResult:
+        log = logger.warning if result.outcome == Outcome.FAILED else logger.info
+        log(
+            "fcm send not delivered",
+            extra={
+                "push_id": wakeup.push_id,
+                "project": self.config.project_id,
+                "outcome": str(result.outcome),
+                "error_code": result.error_code,
+                "retry_after": result.retry_after,
+            },
+        )
+        return result
 
     def close(self) -> None:
         """Close connections and delete the firebase App; idempotent."""
@@ -391,6 +483,8 @@ class FcmProvider:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
+        if self._direct is not None:
+            self._direct.clear()
         # Not `_client.close()`: that sets the session to None under a racing send.
         self._service._client.session.close()
         self._token_session.close()

@@ -21,6 +21,8 @@ from relay.providers.base import PushProvider, SendResult, Wakeup, send_each
 log = logging.getLogger(__name__)
 
 IN_FLIGHT_CAP = "IN_FLIGHT_CAP"
+# Slots one batch holds at a time (FCM overlaps 16 requests per batch).
+BATCH_SLOTS = 16
 
 _lock = threading.Lock()
 _slots: dict[str, threading.BoundedSemaphore] = {}
@@ -66,9 +68,10 @@ def send_limited(provider: PushProvider, wakeup: Wakeup, *, service: str) -> Sen
 def send_many_limited(
     provider: PushProvider, wakeups: list[Wakeup], *, service: str
 ) -> list[SendResult]:
-    """A batch through `send_each`, one cap slot per wake-up: it waits (as `send_limited`)
-    for a first slot, takes what else is free at once, sends those, and repeats; whatever
-    finds no slot in time is RETRY_LATER, as a single send would be."""
+    """A batch through `send_each`, one cap slot per wake-up in flight: it waits (as
+    `send_limited`) for a first slot, takes what else is free at once (at most BATCH_SLOTS,
+    so one batch never starves the others for long), sends those, and repeats; whatever finds
+    no slot in time is RETRY_LATER, as a single send would be."""
     if len(wakeups) == 1:
         return [send_limited(provider, wakeups[0], service=service)]
     slot = _semaphore(service)
@@ -82,7 +85,7 @@ def send_many_limited(
                 results.extend([SendResult(Outcome.RETRY_LATER, IN_FLIGHT_CAP)] * taken)
                 break
             taken = 1
-            while taken < len(remaining) and slot.acquire(blocking=False):
+            while taken < min(len(remaining), BATCH_SLOTS) and slot.acquire(blocking=False):
                 taken += 1
         with _lock:
             _in_flight[service] = _in_flight.get(service, 0) + taken

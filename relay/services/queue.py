@@ -37,12 +37,16 @@ class SendJob:
     replayed: str = ""
 
     def to_message(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Flat fields: cheaper than dataclasses.asdict, which deep-copies (a gateway hot spot).
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> SendJob:
         names = {field.name for field in dataclasses.fields(cls)}
         return cls(**{key: value for key, value in message.items() if key in names})
+
+
+_FIELD_NAMES = tuple(field.name for field in dataclasses.fields(SendJob))
 
 
 def enqueue_send(job: SendJob, *, countdown: float | None = None) -> SendJob:
