@@ -241,3 +241,25 @@ def test_an_outage_answers_wait_and_ejabberd_keeps_the_registration(
         assert request.token == token
     finally:
         proxy.close()
+
+
+def test_the_link_comes_back_after_the_xmpp_server_restarts(
+    xmpp_server_factory, relay_on, xmpp_client_factory
+):
+    prosody = xmpp_server_factory("prosody")
+    relay = relay_on(prosody)
+    prosody.restart()
+    # The gateway notices the lost stream, reconnects with backoff, and serves again.
+    wait_until(
+        lambda: ComponentLink.objects.filter(component=relay.component, state="up").exists()
+        and relay.gateway.log_text().count('"link.up"') >= 2,
+        timeout=30,
+    )
+    phone = xmpp_client_factory(prosody, "phone")
+    friend = xmpp_client_factory(prosody, "friend")
+    node, secret = relay.register(phone, "fcm-token-after-restart")
+    enable(phone, relay, node, secret)
+    phone.disconnect()
+    friend.send_message(phone.bare_jid, "after the restart")
+    [request] = relay.fake.wait_for_requests(1, timeout=30)
+    assert request.token == "fcm-token-after-restart"
