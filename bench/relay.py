@@ -4,7 +4,10 @@ pushes per second end to end, and p50/p95/p99 latency from publish to iq result 
 publish to the FCM request.
 
 Run with `make bench` (PostgreSQL and Redis on loopback). Options: --pushes, --window,
---workers, --concurrency.
+--workers, --concurrency. It also reports CPU per push and the busy fraction of each process
+(gateway, workers, fake FCM, this client, and all PostgreSQL and Redis server processes) over
+the measured run, to show which one holds throughput back. RELAY_BENCH_DB names the database
+it re-creates (default relay_bench), BENCH_FAKE_PORT the fake FCM's port.
 """
 
 from __future__ import annotations

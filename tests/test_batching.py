@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -19,7 +20,7 @@ from pushsite.celery import app as celery_app
 from relay import tasks
 from relay.models import DeadLetter, Delivery, Outcome, Registration, Service
 from relay.providers import registry
-from relay.providers.base import SendResult, Wakeup
+from relay.providers.base import SendResult, Wakeup, send_each
 from relay.providers.fcm import FcmConfig, FcmProvider
 from relay.providers.payloads import FcmPayload
 from relay.services import delivery, queue, throttling
@@ -432,9 +433,8 @@ def test_fcm_send_many_classifies_exactly_as_send(fcm):
         # The wire message and its headers are the same on both paths.
         single, batch = fcm.requests_for("single-0")[0], fcm.requests_for("batch-0")[0]
         assert batch.message["data"] == {"account": "a" * 40, "push_id": "batch0"}
-        assert {k: v for k, v in single.message.items() if k != "data"} == {
-            k: v for k, v in batch.message.items() if k != "data"
-        }
+        same = ("android", "notification", "apns", "webpush")
+        assert {k: single.message.get(k) for k in same} == {k: batch.message.get(k) for k in same}
         for name in ("authorization", "x-goog-api-format-version", "x-firebase-client"):
             assert {k.lower(): v for k, v in batch.headers.items()}[name] == {
                 k.lower(): v for k, v in single.headers.items()
@@ -475,3 +475,21 @@ def test_fcm_send_many_times_out_and_loses_the_network_as_send_does(fcm):
     finally:
         nowhere.close()
     assert results == [SendResult(Outcome.RETRY_LATER, "NETWORK")] * 2
+
+
+def test_a_provider_without_send_many_has_its_batch_sent_concurrently():
+    """APNs and WNS have no `send_many`: a batch must not wait one round trip after another."""
+    together = threading.Barrier(3, timeout=10)
+
+    class Overlapping:
+        service = "apns"
+
+        def send(self, wakeup: Wakeup) -> SendResult:
+            together.wait()  # breaks (and the send crashes) unless 3 sends are in flight
+            return SendResult.delivered()
+
+        def close(self) -> None:
+            pass
+
+    wakeups = [Wakeup(push_id=str(n), token=f"t{n}", account="a") for n in range(3)]
+    assert send_each(Overlapping(), wakeups) == [SendResult.delivered()] * 3

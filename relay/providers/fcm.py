@@ -443,6 +443,8 @@ class FcmProvider:
                 retries=False,
                 redirect=False,
             )
+        except urllib3.exceptions.NewConnectionError:  # (a ConnectTimeoutError subclass)
+            return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
         except urllib3.exceptions.TimeoutError:
             return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "TIMEOUT"))
         except urllib3.exceptions.HTTPError:
