@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import socket
@@ -27,19 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.relay import percentiles, wait_http  # noqa: E402
+from bench.common import percentiles, prepare_database, wait_http, write_results  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 BENCH_DB = "api_bench"
-
-
-def prepare_database(admin_url: str) -> str:
-    import psycopg
-
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {BENCH_DB}")
-    return admin_url.rsplit("/", 1)[0] + f"/{BENCH_DB}"
 
 
 def free_port() -> int:
@@ -103,7 +92,7 @@ def main() -> None:
     broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
     if not broker_url.startswith("redis"):
         raise SystemExit("CELERY_BROKER_URL must be redis://… (the rate-limit counters live there)")
-    database_url = prepare_database(admin_url)
+    database_url = prepare_database(admin_url, BENCH_DB)
     os.environ.update(
         {
             "DATABASE_URL": database_url,
@@ -196,9 +185,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "api.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_results("api", results)
 
 
 if __name__ == "__main__":

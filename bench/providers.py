@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -38,35 +37,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import (  # noqa: E402
+    get_json,
+    percentiles,
+    prepare_database,
+    start_workers,
+    wait_http,
+    write_results,
+)
+
 BENCH_DB = "relay_bench_providers"
-RESULTS = ROOT / "bench" / "results"
 WARMUP = 64
 SERVICES = ("fcm", "apns", "wns")
-
-
-def prepare_database(admin_url: str) -> str:
-    import psycopg
-
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {BENCH_DB}")
-    return admin_url.rsplit("/", 1)[0] + f"/{BENCH_DB}"
-
-
-def get_json(url: str, timeout: float = 30) -> Any:
-    return json.loads(urllib.request.urlopen(url, timeout=timeout).read())
-
-
-def wait_http(url: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 class Fakes:
@@ -126,27 +108,6 @@ class Fakes:
                 process.wait(10)
             except subprocess.TimeoutExpired:
                 process.kill()
-
-
-def start_workers(workers: int, concurrency: int) -> list[subprocess.Popen[bytes]]:
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "pushsite",
-        "worker",
-        "--pool",
-        "threads",
-        "--concurrency",
-        str(concurrency),
-        "--loglevel",
-        "WARNING",
-        "--without-gossip",
-        "--without-mingle",
-        "--without-heartbeat",
-    ]
-    return [subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ)) for _ in range(workers)]
 
 
 def stop_all(processes: list[subprocess.Popen[Any]]) -> None:
@@ -228,7 +189,6 @@ def bench_provider(
 
 def bench_mixed(component: Any, fakes: Fakes, args: argparse.Namespace) -> dict[str, Any]:
     from bench.component_server import ComponentServer
-    from bench.relay import percentiles
     from relay.models import Component
 
     per_service = {
@@ -317,7 +277,7 @@ def main() -> None:
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
     os.environ.update(
-        {"DATABASE_URL": prepare_database(admin_url), "CELERY_BROKER_URL": broker_url}
+        {"DATABASE_URL": prepare_database(admin_url, BENCH_DB), "CELERY_BROKER_URL": broker_url}
     )
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
     os.environ.setdefault("LOG_LEVEL", "WARNING")
@@ -383,9 +343,7 @@ def main() -> None:
             "python": platform.python_version(),
         }
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "providers.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_results("providers", results)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,33 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import percentiles, prepare_database, start_workers, wait_http, write_results  # noqa: E402
+
 BENCH_DB = os.environ.get("RELAY_BENCH_DB", "relay_bench")
-RESULTS = ROOT / "bench" / "results"
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": 0.0, "p95": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 2)
-
-    return {
-        "p50": at(0.50),
-        "p95": at(0.95),
-        "p99": at(0.99),
-        "mean": round(statistics.fmean(ordered) * 1000, 2),
-    }
-
-
-def prepare_database(admin_url: str) -> str:
-    import psycopg
-
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {BENCH_DB}")
-    return admin_url.rsplit("/", 1)[0] + f"/{BENCH_DB}"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -86,18 +61,6 @@ def service_cpu(pids: dict[str, int], names: tuple[str, ...]) -> dict[str, float
     return figures
 
 
-def wait_http(url: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pushes", type=int, default=5000)
@@ -109,7 +72,7 @@ def main() -> None:
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
     broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
-    database_url = prepare_database(admin_url)
+    database_url = prepare_database(admin_url, BENCH_DB)
     os.environ.update({"DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url})
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
     os.environ.setdefault("LOG_LEVEL", "WARNING")
@@ -197,30 +160,7 @@ def main() -> None:
             processes.append(
                 subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
             )
-            for _ in range(args.workers):
-                processes.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "celery",
-                            "-A",
-                            "pushsite",
-                            "worker",
-                            "--pool",
-                            "threads",
-                            "--concurrency",
-                            str(args.concurrency),
-                            "--loglevel",
-                            "WARNING",
-                            "--without-gossip",
-                            "--without-mingle",
-                            "--without-heartbeat",
-                        ],
-                        cwd=ROOT,
-                        env=env,
-                    )
-                )
+            processes.extend(start_workers(args.workers, args.concurrency, env))
             await server.wait_connected(timeout=30)
             # Warm up: a few pushes so connections, OAuth token and caches exist.
             warm = registrations[:20]
@@ -299,9 +239,7 @@ def main() -> None:
             "python": platform.python_version(),
         }
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "relay.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_results("relay", results)
 
 
 def wait_fake_count(fake_url: str, count: int, timeout: float) -> None:

@@ -97,25 +97,19 @@ def start_gateway(**env: str) -> ServiceProcess:
     )
 
 
+def worker_argv(
+    *, concurrency: int = 4, loglevel: str = "INFO", pool: str = "threads"
+) -> list[str]:
+    """The command line of one of our Celery workers (tests and benchmarks use the same)."""
+    return [
+        sys.executable, "-m", "celery", "-A", "pushsite", "worker",
+        "--pool", pool, "--concurrency", str(concurrency), "--loglevel", loglevel,
+        "--without-heartbeat", "--without-gossip", "--without-mingle",
+    ]  # fmt: skip
+
+
 def start_worker(**env: str) -> ServiceProcess:
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "pushsite",
-        "worker",
-        "--pool",
-        "threads",
-        "--concurrency",
-        "4",
-        "--loglevel",
-        "INFO",
-        "--without-heartbeat",
-        "--without-gossip",
-        "--without-mingle",
-    ]
-    return ServiceProcess("worker", argv, service_env(**env))
+    return ServiceProcess("worker", worker_argv(), service_env(**env))
 
 
 test_database_url.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
