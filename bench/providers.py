@@ -156,20 +156,26 @@ def bench_provider(
 
     from relay.models import Delivery
     from relay.services import queue
+    from xmppgateway.gateway import PUBLISH_BATCH_MAX
 
     registrations = make_registrations(component, service, fakes, WARMUP + args.sends, service)
     before = fakes.count(service)
     now = timezone.now().isoformat()
-    for registration in registrations:
-        queue.enqueue_send(
-            queue.SendJob(
-                push_id=str(uuid.uuid4()),
-                registration_id=registration.pk,
-                publishing_domain="localhost",
-                important=True,
-                received=now,
-            )
+    jobs = [
+        queue.SendJob(
+            push_id=str(uuid.uuid4()),
+            registration_id=registration.pk,
+            publishing_domain="localhost",
+            important=True,
+            received=now,
         )
+        for registration in registrations
+    ]
+    # As the gateway queues them: batches of up to PUBLISH_BATCH_MAX jobs per message, or
+    # one message per job with --single (the path of retries, replays and test pushes).
+    size = 1 if args.single else PUBLISH_BATCH_MAX
+    for start in range(0, len(jobs), size):
+        queue.enqueue_sends(jobs[start : start + size])
     workers = start_workers(args.workers, args.concurrency)
     try:
         fakes.wait_for(service, before + len(registrations), timeout=600)
@@ -183,6 +189,7 @@ def bench_provider(
     return {
         "sends": args.sends,
         "sends_per_second": round(args.sends / (end - start), 1),
+        "jobs_per_message": 1 if args.single else PUBLISH_BATCH_MAX,
         "outcomes": outcomes,
     }
 
@@ -264,6 +271,9 @@ def bench_mixed(component: Any, fakes: Fakes, args: argparse.Namespace) -> dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--single", action="store_true", help="one job per broker message (default: batches)"
+    )
     parser.add_argument("--sends", type=int, default=3000, help="measured sends per provider")
     parser.add_argument("--pushes", type=int, default=3000, help="publishes in the mixed run")
     parser.add_argument("--window", type=int, default=256, help="publishes in flight (mixed)")

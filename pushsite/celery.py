@@ -4,7 +4,13 @@ import os
 
 from celery import Celery
 
+from relay import broker
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
+
+# Before the app reads its broker URL: `sqlrelay+sqlite:///...`, the embedded broker that
+# leases messages, so a killed worker's sends come back (relay/broker.py).
+broker.register()
 
 app = Celery("pushsite")
 app.config_from_object("django.conf:settings", namespace="CELERY")

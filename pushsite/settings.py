@@ -187,10 +187,16 @@ SECURE_REFERRER_POLICY = "same-origin"
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("DATA_UPLOAD_MAX_MEMORY_SIZE", 64 * 1024)
 
 # --- Celery: a broker that needs no server process unless CELERY_BROKER_URL says otherwise.
+# The embedded broker (relay/broker.py) leases messages like Redis does, so a killed worker
+# loses nothing; its own file, since kombu's plain `sqla+sqlite://` keeps every message it
+# ever handed out as a hidden row, which a lease would take as unacknowledged.
 CELERY_BROKER_URL = os.environ.get(
-    "CELERY_BROKER_URL", f"sqla+sqlite:///{VAR_DIR / 'celery-broker.sqlite3'}"
+    "CELERY_BROKER_URL", f"sqlrelay+sqlite:///{VAR_DIR / 'relay-broker.sqlite3'}"
 )
 CELERY_TASK_IGNORE_RESULT = True
+# Celery closes every Django connection after each task unless told to reuse them: a new
+# database connection per send cost a fifth of the worker's time. CONN_MAX_AGE still applies.
+CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 1000)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -208,6 +214,11 @@ if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
         "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600),
         "socket_connect_timeout": 2,
         "socket_timeout": 5,
+    }
+elif CELERY_BROKER_URL.startswith("sqlrelay+"):
+    # Same rule as Redis: an unacknowledged send comes back after this many seconds.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600),
     }
 # Publishing must fail fast so the gateway can answer `wait` instead of stalling.
 CELERY_TASK_PUBLISH_RETRY = True

@@ -64,6 +64,6 @@ def test_embedded_defaults_need_no_server(tmp_path):
     assert result.returncode == 0, result.stderr
     engine, broker, debug = result.stdout.split()[-3:]
     assert engine == "django.db.backends.sqlite3"
-    assert broker == f"sqla+sqlite:///{tmp_path}/celery-broker.sqlite3"
+    assert broker == f"sqlrelay+sqlite:///{tmp_path}/relay-broker.sqlite3"
     assert debug == "False"
     assert (tmp_path / "secret_key").stat().st_mode & 0o077 == 0

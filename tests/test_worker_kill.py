@@ -8,7 +8,9 @@ are in flight and more are prefetched). Sends are acknowledged only after they a
   parent, which holds the unacknowledged messages) leaves them unacknowledged in Redis, which
   hands them to the next worker once CELERY_VISIBILITY_TIMEOUT has passed;
 - killing a prefork child mid-task makes the parent reject the task with requeue
-  (reject_on_worker_lost), so it comes back at once.
+  (reject_on_worker_lost), so it comes back at once;
+- a batch message (relay.send_pushes, as the gateway queues them) comes back whole: the pushes
+  it had already sent go out again with their push ids.
 
 Either way every push reaches the provider at least once, a push sent twice carries the same
 push id both times, and each push has exactly one Delivery row.
@@ -29,7 +31,7 @@ from django.conf import settings
 
 from relay.models import Delivery, Outcome, Registration, Service
 from relay.services import throttling
-from relay.services.publishing import Publish, Verdict, accept_publish
+from relay.services.publishing import Publish, Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm
 from tests.support import broker
 from tests.support.processes import ServiceProcess, service_env, wait_until
@@ -84,7 +86,7 @@ def push_ids_at_fake(fcm: FakeFcm) -> list[str]:
     return [r.message["data"]["push_id"] for r in fcm.requests]
 
 
-@pytest.mark.parametrize("scenario", ["threads-worker", "prefork-children"])
+@pytest.mark.parametrize("scenario", ["threads-worker", "prefork-children", "threads-batches"])
 def test_sigkill_mid_batch_loses_no_push(scenario, component):
     assert settings.CELERY_BROKER_URL.startswith("redis://"), "needs the Redis broker"
     with FakeFcm() as fcm:
@@ -108,24 +110,31 @@ def test_sigkill_mid_batch_loses_no_push(scenario, component):
         broker.purge()
         throttling.reset()
         fcm.respond(None, 200, delay=SLOW_SECONDS, times=SLOW_SENDS)
-        for registration in registrations:
-            verdict = accept_publish(
-                Publish(
-                    component_id=component.pk,
-                    publishing_domain="localhost",
-                    node=registration.node,
-                    secret="secret",
-                    important=True,
-                )
+        publishes = [
+            Publish(
+                component_id=component.pk,
+                publishing_domain="localhost",
+                node=registration.node,
+                secret="secret",
+                important=True,
             )
-            assert verdict is Verdict.ACCEPTED
+            for registration in registrations
+        ]
+        if scenario == "threads-batches":
+            # As the gateway queues them: batch messages (relay.send_pushes) of 10 pushes.
+            for start in range(0, PUSHES, 10):
+                verdicts = accept_publishes(publishes[start : start + 10])
+                assert verdicts == [Verdict.ACCEPTED] * 10
+        else:
+            for publish in publishes:
+                assert accept_publish(publish) is Verdict.ACCEPTED
 
-        pool = "threads" if scenario == "threads-worker" else "prefork"
+        pool = "prefork" if scenario == "prefork-children" else "threads"
         workers = [start_worker(pool)]
         try:
             fcm.wait_for_requests(2, timeout=60)  # sends are in flight (the fake holds them)
             assert Delivery.objects.count() < PUSHES
-            if scenario == "threads-worker":
+            if pool == "threads":
                 workers[0].kill()
                 assert workers[0].process.returncode == -signal.SIGKILL
                 killed_at = time.monotonic()
