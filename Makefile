@@ -57,9 +57,12 @@ test-defaults: $(STAMP)
 	env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_STATE_URL VAR_DIR=$$(mktemp -d) \
 		$(BIN)/python -m pytest -m defaults $(PYTEST_ARGS)
 
+# Benchmarks print their figures and write them to bench/results/*.json.
 bench: $(STAMP)
-	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) \
-		$(BIN)/python bench/relay.py
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(BIN)/python bench/relay.py
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(BIN)/python bench/providers.py
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) CACHE_URL=$(TEST_CACHE_URL) \
+		$(BIN)/python bench/api.py
 
 clean:
 	rm -rf $(VENV) var

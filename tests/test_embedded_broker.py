@@ -27,14 +27,11 @@ from kombu import Connection
 
 from pushsite.celery import app as celery_app
 from relay import broker as relay_broker
-from relay.models import Delivery, Outcome, Registration, Service
-from relay.services import throttling
-from relay.services.publishing import Publish, Verdict, accept_publish, accept_publishes
+from relay.models import Delivery, Outcome
+from relay.services.publishing import Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm
-from tests.support import broker
 from tests.support.processes import ROOT, ServiceProcess, service_env, wait_until
-from tests.support.provider_fakes import configure_fcm
-from tests.test_worker_kill import children_of, push_ids_at_fake
+from tests.test_worker_kill import children_of, prepare_kill_run, push_ids_at_fake
 
 pytestmark = [pytest.mark.defaults]
 
@@ -284,36 +281,7 @@ def test_sigkill_mid_batch_loses_no_push_on_the_embedded_broker(
     scenario, component, embedded_broker
 ):
     with FakeFcm() as fcm:
-        app = component.app
-        configure_fcm(app, fcm)
-        app.payload_options = {"fcm": {"push_id_key": "push_id"}}  # the push id on the wire
-        app.save()
-        registrations = [
-            Registration.objects.create(
-                app=app,
-                component=component,
-                service=Service.FCM,
-                device_hash=f"{i:040x}",
-                account_domain="localhost",
-                token=f"kill-token-{i}",
-                node=f"kill-node-{i}",
-                secret="secret",
-            )
-            for i in range(PUSHES)
-        ]
-        broker.purge()
-        throttling.reset()
-        fcm.respond(None, 200, delay=SLOW_SECONDS, times=SLOW_SENDS)
-        publishes = [
-            Publish(
-                component_id=component.pk,
-                publishing_domain="localhost",
-                node=registration.node,
-                secret="secret",
-                important=True,
-            )
-            for registration in registrations
-        ]
+        publishes = prepare_kill_run(component, fcm)
         if scenario == "threads-batches":
             # As the gateway queues them: batch messages (relay.send_pushes) of 10 pushes.
             for start in range(0, PUSHES, 10):

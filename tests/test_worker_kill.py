@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from relay.models import Delivery, Outcome, Registration, Service
+from relay.models import Component, Delivery, Outcome, Registration, Service
 from relay.services import throttling
 from relay.services.publishing import Publish, Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm
@@ -82,6 +82,40 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def prepare_kill_run(component: Component, fcm: FakeFcm) -> list[Publish]:
+    """PUSHES registered devices, a slow fake FCM, an empty queue: the publishes to make."""
+    app = component.app
+    configure_fcm(app, fcm)
+    app.payload_options = {"fcm": {"push_id_key": "push_id"}}  # the push id on the wire
+    app.save()
+    registrations = [
+        Registration.objects.create(
+            app=app,
+            component=component,
+            service=Service.FCM,
+            device_hash=f"{i:040x}",
+            account_domain="localhost",
+            token=f"kill-token-{i}",
+            node=f"kill-node-{i}",
+            secret="secret",
+        )
+        for i in range(PUSHES)
+    ]
+    broker.purge()
+    throttling.reset()
+    fcm.respond(None, 200, delay=SLOW_SECONDS, times=SLOW_SENDS)
+    return [
+        Publish(
+            component_id=component.pk,
+            publishing_domain="localhost",
+            node=registration.node,
+            secret="secret",
+            important=True,
+        )
+        for registration in registrations
+    ]
+
+
 def push_ids_at_fake(fcm: FakeFcm) -> list[str]:
     return [r.message["data"]["push_id"] for r in fcm.requests]
 
@@ -90,36 +124,7 @@ def push_ids_at_fake(fcm: FakeFcm) -> list[str]:
 def test_sigkill_mid_batch_loses_no_push(scenario, component):
     assert settings.CELERY_BROKER_URL.startswith("redis://"), "needs the Redis broker"
     with FakeFcm() as fcm:
-        app = component.app
-        configure_fcm(app, fcm)
-        app.payload_options = {"fcm": {"push_id_key": "push_id"}}  # the push id on the wire
-        app.save()
-        registrations = [
-            Registration.objects.create(
-                app=app,
-                component=component,
-                service=Service.FCM,
-                device_hash=f"{i:040x}",
-                account_domain="localhost",
-                token=f"kill-token-{i}",
-                node=f"kill-node-{i}",
-                secret="secret",
-            )
-            for i in range(PUSHES)
-        ]
-        broker.purge()
-        throttling.reset()
-        fcm.respond(None, 200, delay=SLOW_SECONDS, times=SLOW_SENDS)
-        publishes = [
-            Publish(
-                component_id=component.pk,
-                publishing_domain="localhost",
-                node=registration.node,
-                secret="secret",
-                important=True,
-            )
-            for registration in registrations
-        ]
+        publishes = prepare_kill_run(component, fcm)
         if scenario == "threads-batches":
             # As the gateway queues them: batch messages (relay.send_pushes) of 10 pushes.
             for start in range(0, PUSHES, 10):
