@@ -16,6 +16,11 @@ SYSTEM_PACKAGES := python3-venv prosody prosody-modules lua-unbound ejabberd chr
 .PHONY: run test test-postgres test-defaults lint bench system-deps venv migrate clean
 
 $(STAMP): pyproject.toml
+	@if ! $(PYTHON) -m venv --help >/dev/null 2>&1 || ! $(PYTHON) -c "import ensurepip" 2>/dev/null; then \
+		if [ "$$(id -u)" = "0" ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; \
+		else echo "please install python3-venv"; exit 1; fi; \
+	fi
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
