@@ -20,11 +20,11 @@ from relay.providers.base import SendResult, Wakeup
 from relay.services import dead_letters, delivery, queue, throttling
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeReply, FakeWns
+from tests.support.broker import queued_jobs_with_eta
 from tests.support.provider_fakes import (
     configure_apns,
     configure_fcm,
     configure_wns,
-    queued_jobs_with_eta,
     start_apns,
 )
 

@@ -251,8 +251,10 @@ def test_the_link_comes_back_after_the_xmpp_server_restarts(
     prosody.restart()
     # The gateway notices the lost stream, reconnects with backoff, and serves again.
     wait_until(
-        lambda: ComponentLink.objects.filter(component=relay.component, state="up").exists()
-        and relay.gateway.log_text().count('"link.up"') >= 2,
+        lambda: (
+            ComponentLink.objects.filter(component=relay.component, state="up").exists()
+            and relay.gateway.log_text().count('"link.up"') >= 2
+        ),
         timeout=30,
     )
     phone = xmpp_client_factory(prosody, "phone")

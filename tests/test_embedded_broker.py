@@ -30,7 +30,7 @@ from relay import broker as relay_broker
 from relay.models import Delivery, Outcome
 from relay.services.publishing import Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm
-from tests.support.processes import ROOT, ServiceProcess, service_env, wait_until
+from tests.support.processes import ROOT, ServiceProcess, service_env, wait_until, worker_argv
 from tests.test_worker_kill import children_of, prepare_kill_run, push_ids_at_fake
 
 pytestmark = [pytest.mark.defaults]
@@ -242,23 +242,7 @@ def embedded_broker(broker_file: Path) -> Iterator[str]:
 def start_worker(
     pool: str, broker_url: str, visibility_timeout: int, prefetch_multiplier: int = 4
 ) -> ServiceProcess:
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "pushsite",
-        "worker",
-        "--pool",
-        pool,
-        "--concurrency",
-        "4",
-        "--loglevel",
-        "INFO",
-        "--without-heartbeat",
-        "--without-gossip",
-        "--without-mingle",
-    ]
+    argv = worker_argv(pool=pool)
     env = service_env(
         CELERY_BROKER_URL=broker_url,
         CELERY_VISIBILITY_TIMEOUT=str(visibility_timeout),

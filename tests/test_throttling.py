@@ -20,8 +20,8 @@ from relay.services import queue, throttling
 from relay.services.publishing import Publish, Verdict, accept_publish, domain_allowed
 from relay.services.registrations import register_device
 from relay.services.throttling import Decision, Fold, Limit
+from tests.support.broker import queued_jobs_with_eta
 from tests.support.processes import wait_until
-from tests.support.provider_fakes import queued_jobs_with_eta
 
 LONG_WINDOW = 30.0  # long enough that no test depends on timing
 UNLIMITED = Limit(rate=0, burst=1)

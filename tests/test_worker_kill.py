@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,7 +33,7 @@ from relay.services import throttling
 from relay.services.publishing import Publish, Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm
 from tests.support import broker
-from tests.support.processes import ServiceProcess, service_env, wait_until
+from tests.support.processes import ServiceProcess, service_env, wait_until, worker_argv
 from tests.support.provider_fakes import configure_fcm
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -46,23 +45,7 @@ SLOW_SECONDS = 1.5
 
 
 def start_worker(pool: str) -> ServiceProcess:
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "pushsite",
-        "worker",
-        "--pool",
-        pool,
-        "--concurrency",
-        "4",
-        "--loglevel",
-        "INFO",
-        "--without-heartbeat",
-        "--without-gossip",
-        "--without-mingle",
-    ]
+    argv = worker_argv(pool=pool)
     env = service_env(CELERY_VISIBILITY_TIMEOUT=str(VISIBILITY_TIMEOUT))
     return ServiceProcess(f"worker-{pool}", argv, env)
 

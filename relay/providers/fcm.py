@@ -379,19 +379,7 @@ class FcmProvider:
             self._ensure_token()
             self._service.send(message)
         except (exceptions.FirebaseError, google.auth.exceptions.GoogleAuthError) as error:
-            result = classify(error)
-            log = logger.warning if result.outcome == Outcome.FAILED else logger.info
-            log(
-                "fcm send not delivered",
-                extra={
-                    "push_id": wakeup.push_id,
-                    "project": self.config.project_id,
-                    "outcome": str(result.outcome),
-                    "error_code": result.error_code,
-                    "retry_after": result.retry_after,
-                },
-            )
-            return result
+            return self._not_delivered(wakeup, classify(error))
         return SendResult.delivered()
 
     def send_many(self, wakeups: list[Wakeup]) -> list[SendResult]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from pushsite.celery import app as celery_app
@@ -15,9 +17,15 @@ def purge() -> None:
         conn.default_channel.queue_purge(QUEUE)
 
 
-def queued_jobs(limit: int = 1000) -> list[dict[str, Any]]:
-    """Take the send jobs waiting in the queue (they are consumed)."""
-    jobs: list[dict[str, Any]] = []
+@dataclass(frozen=True)
+class QueuedJob:
+    job: dict[str, Any]
+    eta: datetime | None
+
+
+def queued_jobs_with_eta(limit: int = 1000) -> list[QueuedJob]:
+    """Take the queued send jobs with their ETA (a delayed send's countdown)."""
+    found: list[QueuedJob] = []
     with celery_app.connection_for_read() as conn:
         queue = conn.SimpleQueue(QUEUE)
         try:
@@ -27,8 +35,14 @@ def queued_jobs(limit: int = 1000) -> list[dict[str, Any]]:
                 except queue.Empty:
                     break
                 args, _kwargs, _embed = message.decode()
-                jobs.append(args[0])
+                eta = message.headers.get("eta")
+                found.append(QueuedJob(args[0], datetime.fromisoformat(eta) if eta else None))
                 message.ack()
         finally:
             queue.close()
-    return jobs
+    return found
+
+
+def queued_jobs(limit: int = 1000) -> list[dict[str, Any]]:
+    """Take the send jobs waiting in the queue (they are consumed)."""
+    return [queued.job for queued in queued_jobs_with_eta(limit)]
