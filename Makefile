@@ -7,11 +7,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The suite runs on PostgreSQL and Redis (as CI must), then the embedded defaults again.
-TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
-TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
-TEST_CACHE_URL ?= redis://127.0.0.1:6379/14
-SYSTEM_PACKAGES := python3-venv prosody prosody-modules lua-unbound ejabberd chromium chromium-driver \
-	libpostgresql-jdbc-java redis-server
+# Unless TEST_DATABASE_URL / TEST_BROKER_URL (and TEST_CACHE_URL) name servers to use, the
+# session starts a private PostgreSQL and Redis on free ports (tests/support/services.py), so
+# nothing needs to run beforehand and two runs on one machine never share a database.
+export TEST_DATABASE_URL TEST_BROKER_URL TEST_CACHE_URL
+WITH_SERVICES := $(BIN)/python -m tests.support.services --
+SYSTEM_PACKAGES := python3-venv postgresql redis-server prosody prosody-modules lua-unbound ejabberd \
+	chromium chromium-driver libpostgresql-jdbc-java
 
 .PHONY: run test test-postgres test-defaults lint bench system-deps venv migrate clean
 
@@ -49,13 +51,17 @@ run: $(STAMP) migrate
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Both suites always run; the target fails at the end if either failed, so one failure never
+# hides the other.
 test: system-deps $(STAMP) lint
-	$(MAKE) --no-print-directory test-postgres
-	$(MAKE) --no-print-directory test-defaults
+	@status=0; \
+	$(MAKE) --no-print-directory test-postgres || status=1; \
+	$(MAKE) --no-print-directory test-defaults || status=1; \
+	if [ $$status -ne 0 ]; then echo "make test: a suite failed (see above)"; fi; \
+	exit $$status
 
 test-postgres: $(STAMP)
-	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) CACHE_URL=$(TEST_CACHE_URL) \
-		$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(WITH_SERVICES) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The embedded defaults (SQLite, the file-backed broker) must keep working on a laptop.
 test-defaults: $(STAMP)
@@ -64,10 +70,9 @@ test-defaults: $(STAMP)
 
 # Benchmarks print their figures and write them to bench/results/*.json.
 bench: $(STAMP)
-	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(BIN)/python bench/relay.py
-	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(BIN)/python bench/providers.py
-	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) CACHE_URL=$(TEST_CACHE_URL) \
-		$(BIN)/python bench/api.py
+	$(WITH_SERVICES) $(BIN)/python bench/relay.py
+	$(WITH_SERVICES) $(BIN)/python bench/providers.py
+	$(WITH_SERVICES) $(BIN)/python bench/api.py
 
 clean:
 	rm -rf $(VENV) var
