@@ -17,7 +17,11 @@ from relay.crypto import EncryptedTextField
 
 
 def new_public_key() -> str:
-    return secrets.token_urlsafe(16)
+    """URL-safe, and never starting with "-", which command lines would take for an option."""
+    while True:
+        key = secrets.token_urlsafe(16)
+        if not key.startswith("-"):
+            return key
 
 
 class Service(models.TextChoices):

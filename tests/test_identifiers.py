@@ -36,3 +36,11 @@ def test_secret_is_twenty_four_characters_of_eighteen_random_bytes():
     for secret in secrets:
         assert len(secret) == 24
         assert len(base64.b64decode(secret)) == 18
+
+
+def test_app_public_keys_never_look_like_a_command_line_option() -> None:
+    from relay.models import new_public_key
+
+    keys = [new_public_key() for _ in range(2000)]
+    assert all(len(key) >= 20 and not key.startswith("-") for key in keys)
+    assert len(set(keys)) == len(keys)
