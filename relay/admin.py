@@ -82,7 +82,7 @@ class ScopedRelatedFieldListFilter(admin.RelatedFieldListFilter):
 
 
 def _is_operator(request: HttpRequest) -> bool:
-    return not tenancy.is_tenant_staff(request.user)
+    return tenancy.is_operator(request.user)
 
 
 def confirm(
