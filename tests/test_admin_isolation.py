@@ -505,3 +505,82 @@ def test_checks_name_staff_who_see_nothing_and_confined_operator_groups(worlds):
     ids = sorted(message.id for message in tenant_scope_check())
     assert ids == ["relay.W010", "relay.W011"]
     assert "1 active staff user(s)" in tenant_scope_check()[0].msg
+
+
+def _filter_paths(model_admin: admin.ModelAdmin, request: Any) -> set[str]:
+    paths = {model_admin.date_hierarchy} if model_admin.date_hierarchy else set()
+    for entry in model_admin.get_list_filter(request):
+        if isinstance(entry, str):
+            paths.add(entry)
+        elif isinstance(entry, tuple):
+            paths.add(entry[0])
+    return paths | set(getattr(model_admin, "extra_lookup_fields", ()))
+
+
+def test_url_lookups_cannot_probe_hidden_values(worlds, alpha_client, operator_client):
+    """`?secret__startswith=a` answered "rows" or "none": a prefix loop read a component secret
+    back. Every lookup but the list's own filters is refused (400), for every user."""
+    alpha, bravo = worlds
+    component_list = url(type(alpha.component), "changelist")
+    registration_list = url(type(alpha.registration), "changelist")
+    probes = [
+        (component_list, "secret__startswith", alpha.component.secret[:3]),
+        (component_list, "secret__regex", "^alp"),
+        (component_list, "secret__gt", "a"),
+        (component_list, "secret", alpha.component.secret),
+        (registration_list, "secret__startswith", alpha.registration.secret[:2]),
+        (registration_list, "token__startswith", alpha.registration.token[:2]),
+        (registration_list, "token__regex", "^alpha"),
+        (registration_list, "component__secret__startswith", "alp"),
+        (registration_list, "app__wns_secret__isnull", "0"),
+        (url(type(alpha.app), "changelist"), "fcm_service_account__contains", "g"),
+        (url(type(alpha.app), "changelist"), "wns_secret__gt", ""),
+        (url(User, "changelist"), "password__startswith", "md5"),
+    ]
+    for client in (alpha_client, operator_client):
+        for page, lookup, value in probes:
+            response = client.get(page, {lookup: value})
+            if response.status_code == 403:  # an operator-only list for alpha
+                assert client is alpha_client, f"{page}?{lookup}"
+                continue
+            assert response.status_code == 400, f"{page}?{lookup} answered {response.status_code}"
+
+    # Every field of every list, and every field one relation away, that is no filter.
+    request = RequestFactory().get("/")
+    request.user = User.objects.get(username="operator")
+    refused = 0
+    for model, model_admin in registered():
+        allowed = _filter_paths(model_admin, request)
+        page = url(model, "changelist")
+        names = []
+        for field in model._meta.concrete_fields:
+            names.append(field.name)
+            if field.is_relation:
+                names += [
+                    f"{field.name}__{f.name}" for f in field.related_model._meta.concrete_fields
+                ]
+        for name in names:
+            if name in allowed:
+                continue
+            response = operator_client.get(page, {f"{name}__startswith": "a"})
+            assert response.status_code == 400, f"{model.__name__}?{name}__startswith"
+            refused += 1
+    assert refused > 50
+
+    # What the lists offer still works: filters, the date bar, and the links we build.
+    ok = [
+        (component_list, {"tenant__id__exact": alpha.tenant.pk, "enabled__exact": "1"}),
+        (component_list, {"link__state__exact": "down"}),
+        (registration_list, {"state": "alive", "app__tenant__id__exact": alpha.tenant.pk}),
+        (registration_list, {"service__exact": "fcm", "q": alpha.registration.node}),
+        (
+            url(type(alpha.delivery), "changelist"),
+            {"registration__id__exact": alpha.registration.pk, "received__year": "2026"},
+        ),
+        (url(type(alpha.delivery), "changelist"), {"received__gte": "2020-01-01"}),
+        (url(type(alpha.dead_letter), "changelist"), {"replayed__isempty": "1"}),
+    ]
+    for page, params in ok:
+        response = alpha_client.get(page, params)
+        assert response.status_code == 200, f"{page} {params}"
+        assert bravo.registration.node not in text_of(response)
