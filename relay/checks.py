@@ -98,3 +98,19 @@ def tenant_scope_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
             )
         )
     return messages
+
+
+@register("relay")
+def login_settings_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    if settings.RELAY.get("LOGIN_MAX_FAILURES_PER_ADDRESS"):
+        return [
+            Warning(
+                "RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS is no longer used: logins are locked out "
+                "per username and address together, so one address (a proxy's) can never lock "
+                "every admin out.",
+                hint="Remove it; RELAY_LOGIN_MAX_FAILURES and RELAY_LOGIN_LOCKOUT_SECONDS apply "
+                "to each username and address pair.",
+                id="relay.W020",
+            )
+        ]
+    return []
