@@ -82,7 +82,7 @@ class ScopedRelatedFieldListFilter(admin.RelatedFieldListFilter):
 
 
 def _is_operator(request: HttpRequest) -> bool:
-    return not tenancy.is_tenant_staff(request.user)
+    return tenancy.is_operator(request.user)
 
 
 def confirm(
@@ -142,7 +142,58 @@ def _pushes_since(hours: int) -> QuerySet[Delivery]:
     return Delivery.objects.filter(received__gte=timezone.now() - timedelta(hours=hours))
 
 
-class TenantScopedAdmin(admin.ModelAdmin):
+# The terms a list filter, the date bar or one of our links put after a filtered field.
+LIST_LOOKUP_TERMS = frozenset(
+    {"exact", "isnull", "in", "gt", "gte", "lt", "lte", "isempty", "year", "month", "day"}
+)
+
+
+class ListLookupsOnly(admin.ModelAdmin):
+    """Allows only the URL lookups the list's own filters, date bar and links need.
+
+    Django allows any lookup on a model's own fields, so `?secret__startswith=a` on a list
+    answered "some rows" or "none" about a value the page never shows: a prefix loop read a
+    component secret back. Here a lookup must name a field of `list_filter`, `date_hierarchy`
+    or `extra_lookup_fields` (followed at most by the related object's key and one term of
+    `LIST_LOOKUP_TERMS`), or a SimpleListFilter's parameter; anything else is refused with
+    400 for every user. Hidden fields (secrets, tokens, credentials, hashes) are never
+    filters, so they can never be probed.
+    """
+
+    # Fields our own links filter by without offering a filter for them.
+    extra_lookup_fields: Sequence[str] = ()
+
+    def _lookup_fields_and_parameters(self, request: HttpRequest) -> tuple[set[str], set[str]]:
+        fields = set(self.extra_lookup_fields)
+        parameters: set[str] = set()
+        for entry in self.get_list_filter(request):
+            if isinstance(entry, str):
+                fields.add(entry)
+            elif isinstance(entry, list | tuple):
+                fields.add(entry[0])
+            elif isinstance(entry, type) and issubclass(entry, admin.SimpleListFilter):
+                parameters.add(entry.parameter_name)
+        if self.date_hierarchy:
+            fields.add(self.date_hierarchy)
+        return fields, parameters
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
+        fields, parameters = self._lookup_fields_and_parameters(request)
+        if lookup in parameters or lookup in fields:
+            return True
+        for field_path in fields:
+            if not lookup.startswith(field_path + "__"):
+                continue
+            rest = lookup[len(field_path) + 2 :].split("__")
+            field = get_fields_from_path(self.model, field_path)[-1]
+            if field.is_relation and rest[0] in {"pk", "id", field.related_model._meta.pk.name}:
+                rest = rest[1:]
+            if not rest or (len(rest) == 1 and rest[0] in LIST_LOOKUP_TERMS):
+                return True
+        return False
+
+
+class TenantScopedAdmin(ListLookupsOnly):
     """Confines a tenant's own staff to their tenants' rows; the operator sees everything.
 
     `operator_only_fields` are shown read-only to tenant staff; `operator_only_actions` are
@@ -233,7 +284,7 @@ class ScopedInline(admin.TabularInline):
         return False
 
 
-class OperatorOnlyAdmin(admin.ModelAdmin):
+class OperatorOnlyAdmin(ListLookupsOnly):
     """Models that belong to no tenant: a tenant's own staff never see them."""
 
     def has_module_permission(self, request: HttpRequest) -> bool:
@@ -1004,6 +1055,8 @@ class DeliveryAdmin(TenantScopedAdmin):
     search_fields = ("=push_id", "publishing_domain", "=registration__node")
     search_help_text = "A push id, a publishing domain or a node (exact)."
     date_hierarchy = "received"
+    # A registration's page links to its deliveries.
+    extra_lookup_fields = ("registration",)
     actions = ("export_csv",)
 
     def has_add_permission(self, request: HttpRequest) -> bool:

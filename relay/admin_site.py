@@ -1,4 +1,4 @@
-"""The operators' admin site: throttled login, and the health and usage pages.
+"""The operators' admin site: the login's lockout page, and the health and usage pages.
 
 Everything a page shows is scoped by `relay.services.tenancy`: a tenant's own staff see their
 tenant's links and numbers only, the operator's staff see all of it.
@@ -7,14 +7,13 @@ tenant's links and numbers only, the operator's staff see all of it.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from django.contrib import admin
-from django.contrib.admin.forms import AdminAuthenticationForm
-from django.core.exceptions import ValidationError
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
-from django.urls import URLPattern, URLResolver, path
+from django.urls import URLPattern, URLResolver, path, reverse
 
 from relay.admin_charts import daily_chart
 from relay.services import login_throttle, tenancy, usage
@@ -22,27 +21,21 @@ from relay.services import login_throttle, tenancy, usage
 log = logging.getLogger(__name__)
 
 
-class ThrottledAuthenticationForm(AdminAuthenticationForm):
-    """The admin login, refused for a while after repeated failures (see `login_throttle`)."""
-
-    error_messages = {
-        **AdminAuthenticationForm.error_messages,
-        "throttled": "Too many failed login attempts. Wait a few minutes and try again.",
+def locked_out(
+    request: HttpRequest, original_response: HttpResponse | None = None, credentials: Any = None
+) -> TemplateResponse:
+    """The page django-axes answers a locked-out login with (429), in the admin's look."""
+    minutes = math.ceil(login_throttle.cool_off(request).total_seconds() / 60)
+    log.warning("admin.login_locked_out")
+    context = {
+        **admin.site.each_context(request),
+        "title": "Too many failed login attempts",
+        "minutes": minutes,
+        "login_url": reverse("admin:login"),
     }
-
-    def clean(self) -> dict[str, Any]:
-        username = str(self.cleaned_data.get("username") or "")
-        address = login_throttle.client_address(self.request) if self.request else ""
-        if login_throttle.is_locked(username=username, address=address):
-            log.warning("admin.login_throttled")
-            raise ValidationError(self.error_messages["throttled"], code="throttled")
-        try:
-            cleaned = super().clean()
-        except ValidationError:
-            login_throttle.record_failure(username=username, address=address)
-            raise
-        login_throttle.record_success(username=username, address=address)
-        return cleaned
+    response = TemplateResponse(request, "admin/relay/locked_out.html", context, status=429)
+    response["Retry-After"] = str(minutes * 60)
+    return response.render()
 
 
 class RelayAdminSite(admin.AdminSite):
@@ -51,7 +44,6 @@ class RelayAdminSite(admin.AdminSite):
     index_title = "Tenants, links and pushes"
     index_template = "admin/relay/index.html"
     site_url = None  # the service has no public site to go back to
-    login_form = ThrottledAuthenticationForm
 
     def get_urls(self) -> list[URLResolver | URLPattern]:
         extra = [

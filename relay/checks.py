@@ -64,3 +64,53 @@ def credential_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckM
             Warning(credentials.expiry_warning(app=app) or f"{app}: certificate", id="relay.W003")
         )
     return messages
+
+
+@register("relay")
+def tenant_scope_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Staff who see nothing, and tenant groups that were also given operator status."""
+    from relay.services import tenancy
+
+    try:
+        unconfined = tenancy.unconfined_staff_count()
+        conflicting = tenancy.bound_operator_groups()
+    except DatabaseError:
+        return []
+    messages: list[CheckMessage] = []
+    if unconfined:
+        messages.append(
+            Warning(
+                f"{unconfined} active staff user(s) are neither superusers, in the "
+                f"{tenancy.OPERATORS_GROUP!r} group (permission {tenancy.OPERATOR_PERMISSION}) "
+                "nor in a tenant's staff group: they see no tenant in the admin.",
+                hint=f"Add the operator's staff to the {tenancy.OPERATORS_GROUP!r} group, and "
+                "a tenant's staff to that tenant's staff group (docs/operators.md, Roles).",
+                id="relay.W010",
+            )
+        )
+    for name in conflicting:
+        messages.append(
+            Warning(
+                f"The group {name!r} is bound to a tenant and holds "
+                f"{tenancy.OPERATOR_PERMISSION}: its members stay confined to the tenant.",
+                hint="Remove the permission from the group, or its tenant binding.",
+                id="relay.W011",
+            )
+        )
+    return messages
+
+
+@register("relay")
+def login_settings_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    if settings.RELAY.get("LOGIN_MAX_FAILURES_PER_ADDRESS"):
+        return [
+            Warning(
+                "RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS is no longer used: logins are locked out "
+                "per username and address together, so one address (a proxy's) can never lock "
+                "every admin out.",
+                hint="Remove it; RELAY_LOGIN_MAX_FAILURES and RELAY_LOGIN_LOCKOUT_SECONDS apply "
+                "to each username and address pair.",
+                id="relay.W020",
+            )
+        ]
+    return []

@@ -28,6 +28,14 @@ SECRET_FIELDS = (
     "wns_secret",
 )
 PROVIDER_PREFIXES = ("fcm_", "apns_", "wns_")
+# The syntax of relay.providers.wns.parse_host_pattern (docs/windows-api.md).
+WNS_CHANNEL_HOSTS_HELP = (
+    "Where this app's channel URIs may point, one pattern per line; empty: the site default "
+    "(*.notify.windows.com). '*.example.com' allows its subdomains on port 443; a bare host "
+    "('wns.example.net', '127.0.0.1') allows the default port only (443, or 80 for http); "
+    "'host:8443' one port, 'host:*' any port. Plain http only for loopback hosts. A device "
+    "registering a channel outside these is refused."
+)
 
 
 class WriteOnlyTextarea(forms.Textarea):
@@ -95,6 +103,8 @@ class AppForm(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if "wns_channel_hosts" in self.fields:
+            self.fields["wns_channel_hosts"].help_text = WNS_CHANNEL_HOSTS_HELP
         for name in SECRET_FIELDS:
             stored = credentials.credential_fingerprint(getattr(self.instance, name))
             base = App._meta.get_field(name).help_text

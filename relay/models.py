@@ -54,6 +54,9 @@ class Tenant(models.Model):
 
     class Meta:
         ordering = ["name"]
+        # Operator status is explicit (relay.services.tenancy): a staff user in no tenant's
+        # staff group sees nothing unless a superuser or holding this permission.
+        permissions = [("operate_all_tenants", "Can see and change every tenant (operator)")]
 
     def __str__(self) -> str:
         return self.display_name or self.name
@@ -313,8 +316,8 @@ class DeadLetter(models.Model):
 class TenantStaffGroup(models.Model):
     """Binds an auth group to a tenant: the group's members are that tenant's own staff.
 
-    In the admin they see and change only their tenant's objects; every other staff user is
-    the operator's and sees everything their permissions allow.
+    In the admin they see and change only their tenant's objects; the operator's staff are
+    superusers or hold `relay.operate_all_tenants`; any other staff user sees nothing.
     """
 
     group = models.OneToOneField(

@@ -18,7 +18,7 @@ import pytest
 from django.contrib import admin
 from django.contrib.admin.models import LogEntry
 from django.contrib.admin.utils import quote
-from django.contrib.auth.models import Group, User
+from django.contrib.auth.models import Group, Permission, User
 from django.contrib.contenttypes.models import ContentType
 from django.db import models
 from django.test import Client, RequestFactory
@@ -404,14 +404,73 @@ def test_tenant_staff_cannot_change_operator_policy(worlds, alpha_client):
 
 
 def test_who_is_the_operator(worlds):
-    """Superusers and unbound staff see all; bound staff their tenants; anyone else nothing."""
+    """Superusers and holders of the operator permission see all; bound staff their tenants
+    (even holding the operator permission); unbound staff and anyone else nothing."""
     alpha, bravo = worlds
     assert tenancy.tenant_ids_for(User.objects.create_superuser("root", password="x" * 20)) is None
-    assert tenancy.tenant_ids_for(User.objects.create_user("ops", is_staff=True)) is None
+    assert tenancy.tenant_ids_for(User.objects.create_user("ops", is_staff=True)) == frozenset()
+    operator = User.objects.create_user("staff-operator", is_staff=True)
+    operator.groups.add(Group.objects.get(name=tenancy.OPERATORS_GROUP))
+    assert tenancy.tenant_ids_for(User.objects.get(pk=operator.pk)) is None
+    # The permission without staff status opens nothing (the admin refuses them anyway).
+    outsider = User.objects.create_user("not-staff")
+    outsider.groups.add(Group.objects.get(name=tenancy.OPERATORS_GROUP))
+    assert tenancy.tenant_ids_for(User.objects.get(pk=outsider.pk)) == frozenset()
     both = make_tenant_staff(alpha, "both", every_permission=False)
     both.groups.add(bravo.group)
     assert tenancy.tenant_ids_for(both) == {alpha.tenant.pk, bravo.tenant.pk}
+    # A tenant group holding every permission, the operator's included, stays confined.
+    confined = make_tenant_staff(alpha, "confined", every_permission=True)
+    assert confined.has_perm(tenancy.OPERATOR_PERMISSION)
+    assert tenancy.tenant_ids_for(confined) == {alpha.tenant.pk}
     assert tenancy.tenant_ids_for(User.objects.create_user("customer")) == frozenset()
+
+
+def test_staff_of_an_unbound_group_see_nothing(worlds, alpha_client):
+    """The operator removes alpha's binding: its group keeps its permissions (every one there
+    is but the operator's), and its members must reach no tenant at all, not every tenant."""
+    alpha, bravo = worlds
+    alpha.group.permissions.remove(
+        Permission.objects.get(codename="operate_all_tenants", content_type__app_label="relay")
+    )
+    alpha.binding.delete()
+    before = bravo_snapshot(bravo)
+    for model, model_admin in registered():
+        response = alpha_client.get(url(model, "changelist"))
+        if isinstance(model_admin, OperatorOnlyAdmin):
+            assert response.status_code == 403, model.__name__
+            continue
+        assert response.status_code == 200, model.__name__
+        assert list(response.context["cl"].result_list) == [], model.__name__
+        assert MARKER not in text_of(response).lower()
+        for world in (alpha, bravo):
+            for obj in world.objects.get(model, []):
+                assert_not_found(
+                    alpha_client.get(url(model, "change", quote(obj.pk))), model.__name__
+                )
+    component_page = alpha_client.get(url(type(bravo.component), "change", bravo.component.pk))
+    assert bravo.component.secret not in text_of(component_page)
+    for name in ("admin:health", "admin:usage"):
+        assert MARKER not in alpha_client.get(reverse(name)).content.decode().lower()
+    # Suspending another tenant is refused too.
+    response = alpha_client.post(
+        url(type(bravo.tenant), "changelist"),
+        {"action": "suspend", "_selected_action": [str(bravo.tenant.pk)], "post": "yes"},
+    )
+    assert response.status_code in (200, 302, 403)
+    assert bravo_snapshot(bravo) == before
+
+
+def test_a_staff_operator_in_the_operators_group_sees_every_tenant(worlds):
+    _, bravo = worlds
+    user = User.objects.create_user("ops", password="x" * 20, is_staff=True)
+    user.groups.add(Group.objects.get(name=tenancy.OPERATORS_GROUP))
+    client = Client()
+    client.force_login(user)
+    response = client.get(url(type(bravo.component), "change", bravo.component.pk))
+    assert response.status_code == 200
+    assert bravo.component.secret in text_of(response)  # the operator's snippet shows it
+    assert client.get(url(type(bravo.tenant), "add")).status_code == 200
 
 
 def test_anonymous_and_non_staff_get_nothing(worlds):
@@ -434,3 +493,94 @@ def test_urls_of_registered_models_resolve():
                 url(model, view)
             except NoReverseMatch:  # pragma: no cover - the assertion explains
                 pytest.fail(f"no {view} URL for {model.__name__}")
+
+
+def test_checks_name_staff_who_see_nothing_and_confined_operator_groups(worlds):
+    from relay.checks import tenant_scope_check
+
+    alpha, _ = worlds
+    assert tenant_scope_check() == []
+    User.objects.create_user("forgotten", is_staff=True)
+    make_tenant_staff(alpha, "confined", every_permission=True)  # the group gets every perm
+    ids = sorted(message.id for message in tenant_scope_check())
+    assert ids == ["relay.W010", "relay.W011"]
+    assert "1 active staff user(s)" in tenant_scope_check()[0].msg
+
+
+def _filter_paths(model_admin: admin.ModelAdmin, request: Any) -> set[str]:
+    paths = {model_admin.date_hierarchy} if model_admin.date_hierarchy else set()
+    for entry in model_admin.get_list_filter(request):
+        if isinstance(entry, str):
+            paths.add(entry)
+        elif isinstance(entry, tuple):
+            paths.add(entry[0])
+    return paths | set(getattr(model_admin, "extra_lookup_fields", ()))
+
+
+def test_url_lookups_cannot_probe_hidden_values(worlds, alpha_client, operator_client):
+    """`?secret__startswith=a` answered "rows" or "none": a prefix loop read a component secret
+    back. Every lookup but the list's own filters is refused (400), for every user."""
+    alpha, bravo = worlds
+    component_list = url(type(alpha.component), "changelist")
+    registration_list = url(type(alpha.registration), "changelist")
+    probes = [
+        (component_list, "secret__startswith", alpha.component.secret[:3]),
+        (component_list, "secret__regex", "^alp"),
+        (component_list, "secret__gt", "a"),
+        (component_list, "secret", alpha.component.secret),
+        (registration_list, "secret__startswith", alpha.registration.secret[:2]),
+        (registration_list, "token__startswith", alpha.registration.token[:2]),
+        (registration_list, "token__regex", "^alpha"),
+        (registration_list, "component__secret__startswith", "alp"),
+        (registration_list, "app__wns_secret__isnull", "0"),
+        (url(type(alpha.app), "changelist"), "fcm_service_account__contains", "g"),
+        (url(type(alpha.app), "changelist"), "wns_secret__gt", ""),
+        (url(User, "changelist"), "password__startswith", "md5"),
+    ]
+    for client in (alpha_client, operator_client):
+        for page, lookup, value in probes:
+            response = client.get(page, {lookup: value})
+            if response.status_code == 403:  # an operator-only list for alpha
+                assert client is alpha_client, f"{page}?{lookup}"
+                continue
+            assert response.status_code == 400, f"{page}?{lookup} answered {response.status_code}"
+
+    # Every field of every list, and every field one relation away, that is no filter.
+    request = RequestFactory().get("/")
+    request.user = User.objects.get(username="operator")
+    refused = 0
+    for model, model_admin in registered():
+        allowed = _filter_paths(model_admin, request)
+        page = url(model, "changelist")
+        names = []
+        for field in model._meta.concrete_fields:
+            names.append(field.name)
+            if field.is_relation:
+                names += [
+                    f"{field.name}__{f.name}" for f in field.related_model._meta.concrete_fields
+                ]
+        for name in names:
+            if name in allowed:
+                continue
+            response = operator_client.get(page, {f"{name}__startswith": "a"})
+            assert response.status_code == 400, f"{model.__name__}?{name}__startswith"
+            refused += 1
+    assert refused > 50
+
+    # What the lists offer still works: filters, the date bar, and the links we build.
+    ok = [
+        (component_list, {"tenant__id__exact": alpha.tenant.pk, "enabled__exact": "1"}),
+        (component_list, {"link__state__exact": "down"}),
+        (registration_list, {"state": "alive", "app__tenant__id__exact": alpha.tenant.pk}),
+        (registration_list, {"service__exact": "fcm", "q": alpha.registration.node}),
+        (
+            url(type(alpha.delivery), "changelist"),
+            {"registration__id__exact": alpha.registration.pk, "received__year": "2026"},
+        ),
+        (url(type(alpha.delivery), "changelist"), {"received__gte": "2020-01-01"}),
+        (url(type(alpha.dead_letter), "changelist"), {"replayed__isempty": "1"}),
+    ]
+    for page, params in ok:
+        response = alpha_client.get(page, params)
+        assert response.status_code == 200, f"{page} {params}"
+        assert bravo.registration.node not in text_of(response)

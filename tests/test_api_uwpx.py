@@ -732,3 +732,44 @@ def test_interactive_docs_are_served_without_a_cdn(client, settings):
     page = response.content.decode()
     assert "swagger-ui-bundle.js" in page and "/api/v1/openapi.json" in page
     assert "cdn.jsdelivr" not in page and "unpkg.com" not in page
+
+
+# --- channels the app can never send to -----------------------------------------------------
+
+
+@pytest.mark.defaults
+def test_a_bare_host_pattern_allows_the_default_port_only_and_the_refusal_says_so(client, app):
+    """`127.0.0.1` as a channel host matches port 80/443 only: a channel on another port is
+    refused when it is registered (422, saying how to write the pattern), not dead-lettered
+    at every push."""
+    App.objects.filter(pk=app.pk).update(wns_channel_hosts="127.0.0.1")
+    channel = "http://127.0.0.1:8080/wns/channel?token=abc"
+    error = assert_error(
+        post(client, app, channel_message(channel=channel)),
+        422,
+        "channel_uri:",
+        "'127.0.0.1' allows port 80 only, not 8080",
+        "127.0.0.1:8080",
+    )
+    assert channel not in error  # the refusal never echoes the capability
+    assert not WnsDevice.objects.exists()
+    App.objects.filter(pk=app.pk).update(wns_channel_hosts="127.0.0.1:8080")
+    assert post(client, app, channel_message(channel=channel)).status_code == 200
+    App.objects.filter(pk=app.pk).update(wns_channel_hosts="127.0.0.1:*")
+    assert post(client, app, channel_message(channel=channel)).status_code == 200
+
+
+@pytest.mark.defaults
+def test_accounts_are_refused_for_a_channel_the_app_may_no_longer_send_to(client, app):
+    assert post(client, app, channel_message()).status_code == 200
+    App.objects.filter(pk=app.pk).update(wns_channel_hosts="*.wns.example.net")
+    assert_error(
+        post(client, app, accounts_message("alice@example.org")),
+        409,
+        "no longer allowed",
+        "*.wns.example.net",
+        "set_channel_uri again",
+    )
+    assert not Registration.objects.exists()
+    # An empty list (push off) is still fine: nothing will be sent.
+    assert post(client, app, accounts_message()).status_code == 200

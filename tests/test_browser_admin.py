@@ -59,9 +59,24 @@ def services() -> Iterator[None]:
     assert codes == (0, 0), gateway.log_text()[-2000:] + worker.log_text()[-2000:]
 
 
+# Every Content-Security-Policy violation reaches the console: Chromium's own "Refused to ..."
+# errors, and this listener's line for the ones a page could otherwise swallow.
+REPORT_VIOLATIONS = """
+document.addEventListener("securitypolicyviolation", (event) => {
+  console.error(`CSP violation: ${event.violatedDirective} ${event.blockedURI}`);
+});
+"""
+
+
+def csp_violations(messages: list[str]) -> list[str]:
+    return [text for text in messages if "Content Security Policy" in text or "CSP" in text]
+
+
 @pytest.fixture
 def browser_page(live_server, monkeypatch) -> Iterator[tuple[Page, list[str]]]:
-    """A page of a fresh headless Chromium, and the URLs of every request it makes."""
+    """A page of a fresh headless Chromium, and the URLs of every request it makes.
+
+    No page may trip the Content-Security-Policy: the fixture fails the test if one did."""
     # Playwright's sync API keeps an event loop in this thread; the test's own ORM calls are
     # still plain synchronous code (the live server answers from its own thread).
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -71,13 +86,17 @@ def browser_page(live_server, monkeypatch) -> Iterator[tuple[Page, list[str]]]:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         context = browser.new_context(viewport={"width": 1440, "height": 900})
         context.set_default_timeout(20_000)
+        context.add_init_script(REPORT_VIOLATIONS)
         page = context.new_page()
         page.on("request", lambda request: requests.append(request.url))
+        console: list[str] = []
+        page.on("console", lambda message: console.append(message.text))
         try:
             yield page, requests
         finally:
             context.close()
             browser.close()
+        assert not csp_violations(console), csp_violations(console)
 
 
 def shot(page: Page, name: str) -> None:
@@ -130,6 +149,8 @@ def test_operator_onboards_a_tenant_and_sends_a_test_push(
     expect(snippet).to_contain_text(f'Component "{COMPONENT_JID}"')
     secret = re.search(r'component_secret = "([^"]+)"', snippet.inner_text()).group(1)
     assert len(secret) >= 43
+    # The relay's stylesheet (no inline <style> under the CSP) is applied.
+    expect(snippet).to_have_css("white-space", "pre")
     shot(page, "06-component-configuration")
 
     # The XMPP server's admin pastes it; the running gateway connects within seconds.
@@ -178,6 +199,12 @@ def test_operator_onboards_a_tenant_and_sends_a_test_push(
     page.get_by_role("link", name="acme").click()
     expect(page.locator("svg.relay-chart")).to_be_visible()
     shot(page, "11-tenant-page")
+
+    # The API's interactive docs (Swagger UI, served by this site) work under the policy.
+    page.goto(live_server.url + "/api/v1/docs")
+    expect(page.locator(".swagger-ui .info .title")).to_be_visible()
+    expect(page.locator(".opblock").first).to_be_visible()
+    shot(page, "14-api-docs")
 
     own = urlsplit(live_server.url).netloc
     foreign = [url for url in requests if urlsplit(url).netloc not in (own, "")]

@@ -224,6 +224,19 @@ def expired_certificate_files(folder: Path) -> dict[str, str]:
             lambda folder: (folder / "sa.json").write_text('{"type": "service_account"}') and {},
             "tenants[0].apps[0].fcm.service_account_file: The service account JSON lacks",
         ),
+        # The admin's form refuses these too: one rule (relay.services.onboarding.valid_secret).
+        (
+            lambda folder: {"secret: component-secret": "secret: s3cr3t"},
+            "tenants[0].components[0].secret: 16 to 255 characters",
+        ),
+        (
+            lambda folder: {"secret: component-secret": "secret: 'has a space in it, 20+ chars'"},
+            "tenants[0].components[0].secret: 16 to 255 characters",
+        ),
+        (
+            lambda folder: {"secret: component-secret": 'secret: "component-secret\\n"'},
+            "tenants[0].components[0].secret: 16 to 255 characters",
+        ),
     ],
     ids=[
         "missing-key-file",
@@ -239,6 +252,9 @@ def expired_certificate_files(folder: Path) -> dict[str, str]:
         "plain-http-token-url",
         "hosts-not-text",
         "broken-service-account",
+        "short-component-secret",
+        "component-secret-with-spaces",
+        "component-secret-with-newline",
     ],
 )
 def test_errors_name_the_place_and_nothing_is_applied(files, change, message):
@@ -286,3 +302,22 @@ def test_wns_secret_can_come_from_a_file(files):
     app = App.objects.get(name="windows")
     assert app.wns_secret == "from-a-file"
     assert app.wns_channel_hosts == ""  # the site default applies
+
+
+def test_load_tenants_and_the_admin_form_share_the_component_secret_rule(files):
+    from relay.admin import ComponentForm
+    from relay.services.onboarding import valid_secret
+
+    for secret in ("s3cr3t", "x" * 15, "x" * 256, "with space 0123456789", "ok-" + "a" * 13):
+        form = ComponentForm(data={"new_secret": secret})
+        form.is_valid()
+        refused_by_form = "new_secret" in form.errors
+        try:
+            load_tenants(
+                document(**{"secret: component-secret": f"secret: '{secret}'"}), base_dir=files
+            )
+            refused_by_file = False
+        except ProvisioningError as error:
+            assert ".secret:" in str(error)
+            refused_by_file = True
+        assert refused_by_form == refused_by_file == (not valid_secret(secret)), secret

@@ -42,7 +42,7 @@ def test_production_settings_pass_the_deploy_check(tmp_path):
     assert "no issues" in result.stdout
 
 
-@pytest.mark.parametrize("missing", ["SECRET_KEY", "CREDENTIAL_KEYS"])
+@pytest.mark.parametrize("missing", ["SECRET_KEY", "CREDENTIAL_KEYS", "ALLOWED_HOSTS"])
 def test_production_refuses_to_start_without_its_secrets(tmp_path, missing):
     env = production_env(tmp_path)
     del env[missing]
@@ -67,3 +67,19 @@ def test_embedded_defaults_need_no_server(tmp_path):
     assert broker == f"sqlrelay+sqlite:///{tmp_path}/relay-broker.sqlite3"
     assert debug == "False"
     assert (tmp_path / "secret_key").stat().st_mode & 0o077 == 0
+
+
+def test_probes_answer_plain_http_in_production_and_everything_else_redirects(tmp_path):
+    """Load balancers probe /healthz and /readyz over plain HTTP: a 301 to https fails them."""
+    script = (
+        "from django.test import Client; c = Client(HTTP_HOST='push.example.org'); "
+        "print(c.get('/healthz').status_code, c.get('/readyz').status_code, "
+        "c.get('/admin/').status_code, c.get('/healthz', secure=True).status_code)"
+    )
+    result = manage("shell", "--no-imports", "-c", script, env=production_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    healthz, readyz, admin, secure_healthz = result.stdout.split()[-4:]
+    assert healthz == "200"
+    assert readyz in ("200", "503")  # the probe's own answer, not a redirect
+    assert admin == "301"
+    assert secure_healthz == "200"

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from slixmpp.jid import JID, InvalidJID
 
 from relay.models import Component, Service
-from relay.services import publishing, registrations
+from relay.services import channels, publishing, registrations
 from xmppgateway.stanzas import (
     COMMANDS_NS,
     DATA_NS,
@@ -222,6 +222,8 @@ async def command(ctx: LinkContext, sender: JID, element: ET.Element) -> Answer:
         return Answer(_command_reply(name, session_id, "completed"))
     except registrations.UnknownRegistration:
         return error(*ITEM_NOT_FOUND, "no such registration")
+    except channels.ChannelRefused as refused:
+        return error("not-acceptable", "modify", str(refused))
     except Unavailable:
         return error(*TRY_LATER)
 

@@ -24,7 +24,7 @@ from django.db import transaction
 from slixmpp.jid import JID, InvalidJID
 
 from relay.models import App, Component, Tenant
-from relay.services import credentials
+from relay.services import credentials, onboarding
 
 
 class ProvisioningError(ValueError):
@@ -302,6 +302,10 @@ def _component(
     enabled = doc.get("enabled", True)
     if not isinstance(enabled, bool):
         raise ProvisioningError(f"{where}.enabled: expected true or false")
+    secret = _text(doc, "secret", where)
+    if not onboarding.valid_secret(secret):
+        # The admin's form applies the same rule (onboarding.SECRET_PATTERN).
+        raise ProvisioningError(f"{where}.secret: {onboarding.SECRET_HELP}")
     _upsert(
         Component,
         report,
@@ -309,7 +313,7 @@ def _component(
         {
             "tenant": tenant,
             "app": app,
-            "secret": _text(doc, "secret", where),
+            "secret": secret,
             "host": _text(doc, "host", where, required=False) or "127.0.0.1",
             "port": port,
             "enabled": enabled,

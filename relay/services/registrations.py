@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from relay.identifiers import account_hash, new_node, new_secret
 from relay.models import Component, Registration, Service
+from relay.services import channels
 
 
 class UnknownRegistration(Exception):
@@ -42,6 +43,8 @@ def register_device(
     The same device (and room) keeps its node and secret: the phone may re-register whenever
     its token changes, and the user's server must keep publishing to the same node.
     """
+    # An address the app can never send to is refused now, not dead-lettered at each push.
+    channels.check_sendable(app_id=component.app_id, service=service, token=token)
     device_hash = account_hash(bare_jid, device_id)
     room_hash = account_hash(room_jid, device_id) if room_jid else ""
     key = {

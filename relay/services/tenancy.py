@@ -1,9 +1,12 @@
 """Who sees which tenant's objects in the admin.
 
 A staff user in a group bound to a tenant (`TenantStaffGroup`) is that tenant's own staff and
-is confined to its objects everywhere in the admin. A superuser, or a staff user in no bound
-group, is the operator's and sees everything their permissions allow. The scope is computed
-once per request (it is cached on the request's user object).
+is confined to its objects everywhere in the admin, whatever permissions the group holds. The
+operator's staff are explicit: superusers, and users holding `relay.operate_all_tenants`
+(the "Operators" group made by migration 0004) who are in no bound group; they see everything
+their permissions allow. Everyone else sees nothing: a group whose tenant binding was removed
+keeps its permissions but reaches no tenant (fail closed). The scope is computed once per
+request (it is cached on the request's user object).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from relay.models import (
 )
 
 M = TypeVar("M", bound=models.Model)
+
+OPERATOR_PERMISSION = "relay.operate_all_tenants"
+OPERATORS_GROUP = "Operators"
 
 # How each tenant-owned model reaches its tenant; a model missing here is operator-only.
 TENANT_PATHS: dict[type[models.Model], str] = {
@@ -78,8 +84,15 @@ def tenant_ids_for(user: Any) -> frozenset[int] | None:
         bound = frozenset(
             TenantStaffGroup.objects.filter(group__user=user).values_list("tenant_id", flat=True)
         )
-        # Unbound staff are the operator's; anyone else (not staff) sees nothing.
-        scope = bound or (None if user.is_staff else frozenset())
+        # A binding confines even a holder of the operator permission (a tenant group given
+        # "every permission" must not open every tenant); without one, only the explicit
+        # permission makes an operator, and everyone else sees nothing.
+        if bound:
+            scope = bound
+        elif user.is_staff and user.has_perm(OPERATOR_PERMISSION):
+            scope = None
+        else:
+            scope = frozenset()
     # AnonymousUser has no instance dict worth caching on; everyone else does.
     if user.is_authenticated:
         setattr(user, _CACHE_ATTRIBUTE, scope)
@@ -87,7 +100,12 @@ def tenant_ids_for(user: Any) -> frozenset[int] | None:
 
 
 def is_tenant_staff(user: Any) -> bool:
+    """Confined to some tenants (possibly none): everyone who is not the operator's."""
     return tenant_ids_for(user) is not None
+
+
+def is_operator(user: Any) -> bool:
+    return tenant_ids_for(user) is None
 
 
 def tenant_path(model: type[models.Model]) -> str | None:
@@ -151,8 +169,51 @@ def create_staff_group(
     binding = TenantStaffGroup.objects.filter(group=group).exclude(tenant=tenant).first()
     if binding is not None:
         raise ValueError(f"the group {group.name!r} is bound to another tenant")
+    operator_codename = OPERATOR_PERMISSION.split(".", 1)[1]
+    if (
+        operator_codename in permissions
+        or group.permissions.filter(
+            codename=operator_codename, content_type__app_label="relay"
+        ).exists()
+    ):
+        raise ValueError(f"the group {group.name!r} holds the operator permission")
     group.permissions.add(
         *Permission.objects.filter(content_type__app_label="relay", codename__in=permissions)
     )
     TenantStaffGroup.objects.update_or_create(group=group, defaults={"tenant": tenant})
     return group
+
+
+def unconfined_staff_count() -> int:
+    """Active staff who are neither superusers, operators nor bound to a tenant.
+
+    They see nothing since operator status became explicit; a system check names their number
+    so an upgrade that confined the operator's own people is noticed.
+    """
+    from django.contrib.auth import get_user_model
+
+    app_label, codename = OPERATOR_PERMISSION.split(".", 1)
+    users = get_user_model().objects.filter(is_active=True, is_staff=True, is_superuser=False)
+    direct = {
+        "user_permissions__codename": codename,
+        "user_permissions__content_type__app_label": app_label,
+    }
+    via_group = {
+        "groups__permissions__codename": codename,
+        "groups__permissions__content_type__app_label": app_label,
+    }
+    holders = users.filter(Q(**direct) | Q(**via_group))
+    bound = users.filter(groups__tenant_binding__isnull=False)
+    return users.exclude(pk__in=holders.values("pk")).exclude(pk__in=bound.values("pk")).count()
+
+
+def bound_operator_groups() -> list[str]:
+    """Tenant staff groups that also hold the operator permission (the binding wins)."""
+    app_label, codename = OPERATOR_PERMISSION.split(".", 1)
+    return list(
+        Group.objects.filter(
+            tenant_binding__isnull=False,
+            permissions__codename=codename,
+            permissions__content_type__app_label=app_label,
+        ).values_list("name", flat=True)
+    )

@@ -34,15 +34,14 @@ from slixmpp.jid import JID, InvalidJID
 
 from relay.identifiers import new_node, new_secret
 from relay.models import App, Component, Registration, Service, WnsDevice
-from relay.providers.wns import channel_uri_allowed
-from relay.services import credentials, queue, test_push
+from relay.services import channels, queue, test_push
 
 log = logging.getLogger(__name__)
 
 DEVICE_ID_PATTERN = r"^[0-9a-fA-F]{32,128}$"
 ACCOUNT_ID_PATTERN = r"^[0-9a-fA-F]{64}$"
 APP_KEY_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-MAX_CHANNEL_URI_LENGTH = 2048
+MAX_CHANNEL_URI_LENGTH = channels.MAX_CHANNEL_URI_LENGTH
 # RFC 7622: local part, domain part and resource up to 1023 bytes each.
 MAX_BARE_JID_LENGTH = 2047
 
@@ -150,17 +149,12 @@ def bare_jid_domain(bare_jid: object, *, field: str = "bare_jid") -> str:
 
 
 def validate_channel_uri(*, app: App, channel_uri: object) -> str:
-    hosts = credentials.wns_channel_hosts(app=app)
-    if (
-        not isinstance(channel_uri, str)
-        or len(channel_uri) > MAX_CHANNEL_URI_LENGTH
-        or not channel_uri_allowed(channel_uri, hosts)
+    """Refuse a channel the worker could never send to (relay.services.channels)."""
+    if not isinstance(channel_uri, str) or not channels.wns_channel_sendable(
+        app=app, channel_uri=channel_uri
     ):
-        raise UwpxError(
-            ErrorKind.INVALID,
-            "channel_uri must be a WNS channel URI: https on an allowed host "
-            f"({', '.join(hosts)}), at most {MAX_CHANNEL_URI_LENGTH} characters.",
-        )
+        reason = channels.why_not_sendable(app=app, channel_uri=channel_uri)
+        raise UwpxError(ErrorKind.INVALID, f"channel_uri: {reason}")
     return channel_uri
 
 
@@ -332,6 +326,15 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
     component = push_component(app=app)
     if wanted and component is None:
         raise UwpxError(ErrorKind.UNAVAILABLE, "This app has no push component configured yet.")
+    if wanted and not channels.wns_channel_sendable(app=app, channel_uri=device.channel_uri):
+        # The app's channel hosts changed since the channel was set: accounts registered now
+        # would only collect dead letters.
+        raise UwpxError(
+            ErrorKind.CONFLICT,
+            "The device's channel URI is no longer allowed, "
+            + channels.why_not_sendable(app=app, channel_uri=device.channel_uri)
+            + " Send set_channel_uri again with a channel URI the app may send to.",
+        )
     # One query for both: this device's registrations, and any other holder of a wanted hash.
     mine: dict[str, Registration] = {}
     taken: set[str] = set()
