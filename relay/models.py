@@ -102,7 +102,7 @@ class App(models.Model):
     wns_channel_hosts = models.TextField(
         blank=True, help_text="Allowed channel URI hosts, one per line; empty: *.notify.windows.com"
     )
-    # Payload shape per provider; empty means protocols.md 1.4.
+    # Payload shape per provider; empty means docs/protocols.md 1.4.
     payload_options = models.JSONField(default=dict, blank=True)
     created = models.DateTimeField(auto_now_add=True)
     updated = models.DateTimeField(auto_now=True)

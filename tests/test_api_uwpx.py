@@ -130,7 +130,7 @@ def test_seed_messages_give_the_seed_answers(client, app, component):
     for account in body["accounts"]:
         assert set(seed["accounts"][0]) <= set(account)
         assert account["node"] and account["secret"] and account["success"] is True
-    # The account id is protocols.md 3.2's hash: the same value every WNS push carries.
+    # The account id is docs/protocols.md 3.2's hash: the same value every WNS push carries.
     assert body["accounts"][0]["account_id"] == VECTOR
 
 
@@ -177,7 +177,7 @@ def test_per_action_url_takes_the_same_body(client, app, action):
     assert response.json()["accounts"][0]["bare_jid"] == "a@example.org"
 
 
-# --- storage rules (protocols.md 3.2) -----------------------------------------------------------
+# --- storage rules (docs/protocols.md 3.2) ------------------------------------------------------
 
 
 @pytest.mark.defaults

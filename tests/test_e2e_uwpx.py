@@ -3,7 +3,7 @@ worker processes, and our WNS client talking to the fake WNS.
 
 The device registers its channel URI and accounts over the API, enables push on its own server
 with the node, secret and push_bare_jid it got back, goes offline, and another user writes to
-it: the fake WNS must receive the raw notification of protocols.md 3.3 for that account.
+it: the fake WNS must receive the raw notification of docs/protocols.md 3.3 for that account.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Real servers only send well-formed publishes from their own domain; here the test sends what
 a buggy or hostile server (or user) could, and checks the answer types that decide whether
-users keep their push (protocols.md 1.3).
+users keep their push (docs/protocols.md 1.3).
 """
 
 from __future__ import annotations

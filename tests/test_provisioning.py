@@ -321,3 +321,99 @@ def test_load_tenants_and_the_admin_form_share_the_component_secret_rule(files):
             assert ".secret:" in str(error)
             refused_by_file = True
         assert refused_by_form == refused_by_file == (not valid_secret(secret)), secret
+
+
+# --- dry runs ------------------------------------------------------------------------------------
+
+
+def dry_run(path: Path) -> list[str]:
+    out = io.StringIO()
+    call_command("load_tenants", str(path), "--dry-run", stdout=out)
+    return out.getvalue().splitlines()
+
+
+def everything() -> list[tuple[object, ...]]:
+    """Every stored value of every tenant, app and component, to compare before and after."""
+    return [
+        tuple(row.values())
+        for model in (Tenant, App, Component)
+        for row in model.objects.order_by("pk").values()
+    ]
+
+
+# Not wrapped in a test transaction: the dry run's own transaction is the outermost one and is
+# really rolled back, as when an operator runs the command.
+@pytest.mark.django_db(transaction=True)
+def test_a_dry_run_on_an_empty_database_lists_creations_and_keeps_nothing(files):
+    path = files / "tenants.yaml"
+    path.write_text(document())
+    assert dry_run(path) == [
+        "tenant example: created",
+        "app example/conversations: created",
+        "component push.example.org: created",
+        f"{path}: dry run, nothing changed; would apply: "
+        "1 app created, 1 component created, 1 tenant created",
+    ]
+    assert everything() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_dry_run_shows_each_changed_field_with_secrets_masked_and_changes_nothing(files):
+    path = files / "tenants.yaml"
+    path.write_text(document())
+    call_command("load_tenants", str(path), stdout=io.StringIO())
+    before = everything()
+    changed = document(
+        **{
+            WNS_SECRET: "rotated-wns-secret",
+            "secret: component-secret": "secret: rotated-component-secret\n"
+            "        host: xmpp.example.org\n"
+            "        port: 5348",
+            "display_name: Example Hosting": "display_name: Example Hosting GmbH",
+            "sandbox: false": "sandbox: true",
+        }
+    )
+    path.write_text(changed)
+    lines = dry_run(path)
+    assert lines == [
+        "tenant example: updated (display_name: 'Example Hosting' -> 'Example Hosting GmbH')",
+        "app example/conversations: updated (apns_sandbox: 'False' -> 'True'; "
+        "wns_secret: ******** -> ********)",
+        "component push.example.org: updated (secret: ******** -> ********; "
+        "host: '127.0.0.1' -> 'xmpp.example.org'; port: '5347' -> '5348')",
+        f"{path}: dry run, nothing changed; would apply: "
+        "1 app updated, 1 component updated, 1 tenant updated",
+    ]
+    text = "\n".join(lines)
+    for secret in (WNS_SECRET, "rotated-wns-secret", "component-secret", "rotated-component"):
+        assert secret not in text
+    assert everything() == before
+
+    # The same document applied for real does what the dry run said.
+    out = io.StringIO()
+    call_command("load_tenants", str(path), stdout=out)
+    assert "1 app updated, 1 component updated, 1 tenant updated" in out.getvalue()
+    assert dry_run(path)[:3] == [
+        "tenant example: unchanged",
+        "app example/conversations: unchanged",
+        "component push.example.org: unchanged",
+    ]
+
+
+def test_a_dry_run_refuses_a_bad_document_as_loading_does(files):
+    path = files / "tenants.yaml"
+    path.write_text(document(**{"secret: component-secret": "secret: short"}))
+    with pytest.raises(CommandError) as caught:
+        dry_run(path)
+    assert "tenants[0].components[0].secret: 16 to 255 characters" in str(caught.value)
+    assert everything() == []
+
+
+def test_a_long_or_multiline_value_is_reported_as_changed_without_its_text(files):
+    load_tenants(document(), base_dir=files)
+    stored = App.objects.get().apns_ca_certificate
+    (files / "apns-ca.pem").write_text(CertificateAuthority.create("Another CA").pem)
+    report = load_tenants(document(), base_dir=files, dry_run=True)
+    [app] = [change for change in report.changes if change.kind == "app"]
+    assert app.describe() == "app example/conversations: updated (apns_ca_certificate: changed)"
+    assert App.objects.get().apns_ca_certificate == stored

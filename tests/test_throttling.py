@@ -381,7 +381,7 @@ def test_gateway_answers_wait_to_publishes_over_the_rate_and_result_to_folded_on
     fresh_state,
 ):
     """The XMPP answers: a folded publish is `result`, a rate-limited one `wait`
-    (resource-constraint), so no server drops the registration (protocols.md 1.3)."""
+    (resource-constraint), so no server drops the registration (docs/protocols.md 1.3)."""
     from relay.models import App, Component, Tenant
     from tests.support import broker
     from tests.support.component_server import FakeXmppServer, error_of

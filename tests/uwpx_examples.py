@@ -1,4 +1,4 @@
-"""The JSON examples of the UWPX push server's README (protocols.md 3), copied verbatim.
+"""The JSON examples of the UWPX push server's README (docs/protocols.md 3), copied verbatim.
 
 The project never reads /work/shared at runtime, so the tests keep their own copy.
 """

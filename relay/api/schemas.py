@@ -1,4 +1,4 @@
-"""The UWPX wire messages (protocols.md 3.1) as strict schemas, shared by the API and listener.
+"""The UWPX wire messages (docs/protocols.md 3.1) as strict schemas, shared by the API and listener.
 
 Strict: unknown fields, wrong types (`"1"` for 1, `true` for 1) and missing fields are refused
 with a message that names the field. Rules that need the database or settings (allowed channel

@@ -1,6 +1,6 @@
 """Firebase Cloud Messaging (HTTP v1) through the real firebase-admin client.
 
-The wire payload is a content-free wake-up (protocols.md 1.4): the device's token, the account
+The wire payload is a content-free wake-up (docs/protocols.md 1.4): the device's token, the account
 hash (plus the room hash for a room), a collapse key and the Android priority. The provider sees
 hashes only, never a JID or a body.
 
@@ -254,7 +254,7 @@ def classify(error: Exception) -> SendResult:
 
 
 def build_message(wakeup: Wakeup, payload: FcmPayload | None = None) -> messaging.Message:
-    """The whole payload of protocols.md 1.4, nothing else (unless the app's payload options
+    """The whole payload of docs/protocols.md 1.4, nothing else (unless the app's payload options
     rename the keys, add the push id, or a notification block for important pushes).
 
     collapse_key: the first 6 characters of the room hash for a room, else of the account

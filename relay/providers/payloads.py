@@ -1,4 +1,4 @@
-"""The shape of each provider's payload, per app (`App.payload_options`); protocols.md 1.4 when
+"""The shape of each provider's payload, per app (`App.payload_options`); docs/protocols.md 1.4 when
 nothing is set.
 
     {

@@ -321,7 +321,7 @@ def _classify(response: httpx.Response) -> SendResult:
 
 
 def build_body(wakeup: Wakeup, payload: WnsPayload | None = None) -> dict[str, object]:
-    """The raw notification of protocols.md 3.3 (the app's payload options may rename the
+    """The raw notification of docs/protocols.md 3.3 (the app's payload options may rename the
     account key or add the push id)."""
     payload = payload or DEFAULT_PAYLOAD
     body: dict[str, object] = {

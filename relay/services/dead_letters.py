@@ -10,14 +10,41 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
+from datetime import datetime
 
 from django.db import transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from relay.models import DeadLetter
 from relay.services import queue
 
 log = logging.getLogger(__name__)
+
+
+def pending(
+    *,
+    tenant: str | None = None,
+    app: str | None = None,
+    provider: str | None = None,
+    reason: str | None = None,
+    since: datetime | None = None,
+) -> QuerySet[DeadLetter]:
+    """Dead letters not yet replayed, oldest first, narrowed by tenant and app name, provider,
+    reason (a substring: reasons carry the provider's code, e.g. "too old: THROTTLED") and
+    creation time."""
+    letters = DeadLetter.objects.filter(replayed__isnull=True)
+    if tenant:
+        letters = letters.filter(tenant__name=tenant)
+    if app:
+        letters = letters.filter(app__name=app)
+    if provider:
+        letters = letters.filter(provider=provider)
+    if reason:
+        letters = letters.filter(reason__contains=reason)
+    if since is not None:
+        letters = letters.filter(created__gte=since)
+    return letters.order_by("pk")
 
 
 def replay(*, dead_letter_ids: Iterable[int]) -> int:

@@ -1,7 +1,9 @@
 """Provisioning as code: tenants, apps and components from a YAML document, idempotently.
 
 Operators keep their setup in version control and apply it with `manage.py load_tenants`;
-applying the same file twice changes nothing. The whole file applies, or nothing does.
+applying the same file twice changes nothing. The whole file applies, or nothing does. A dry
+run applies it inside a transaction that is then rolled back: the same code and the same
+checks decide what it reports, and nothing is kept.
 
 An app's `fcm`, `apns` and `wns` sections hold its provider credentials; files are read
 relative to the YAML's folder and validated by `relay.services.credentials`, exactly as the
@@ -23,6 +25,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from slixmpp.jid import JID, InvalidJID
 
+from relay.crypto import EncryptedTextField
 from relay.models import App, Component, Tenant
 from relay.services import credentials, onboarding
 
@@ -31,17 +34,63 @@ class ProvisioningError(ValueError):
     """The document is wrong; the message names the place (e.g. tenants[0].apps[1].fcm)."""
 
 
+MASK = "********"
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    """One field of an updated object; secrets never carry their values."""
+
+    name: str
+    old: str
+    new: str
+    secret: bool
+
+    def describe(self) -> str:
+        if self.secret:
+            return f"{self.name}: {MASK} -> {MASK}"
+        if "\n" in self.old + self.new or len(self.old + self.new) > 120:
+            return f"{self.name}: changed"  # a PEM or a list: its value helps nobody here
+        return f"{self.name}: {self.old!r} -> {self.new!r}"
+
+
+@dataclass(frozen=True)
+class ObjectChange:
+    """What applying the document did (or would do) to one tenant, app or component."""
+
+    kind: str
+    label: str
+    change: str  # created, updated or unchanged
+    fields: tuple[FieldChange, ...] = ()
+
+    def describe(self) -> str:
+        details = f" ({'; '.join(f.describe() for f in self.fields)})" if self.fields else ""
+        return f"{self.kind} {self.label}: {self.change}{details}"
+
+
 @dataclass
 class ProvisioningReport:
     counts: Counter[str] = field(default_factory=Counter)
+    changes: list[ObjectChange] = field(default_factory=list)
+    dry_run: bool = False
 
-    def note(self, kind: str, change: str) -> None:
-        self.counts[f"{kind} {change}"] += 1
+    def note(self, change: ObjectChange) -> None:
+        self.counts[f"{change.kind} {change.change}"] += 1
+        self.changes.append(change)
 
     def summary(self) -> str:
         return (
             ", ".join(f"{count} {what}" for what, count in sorted(self.counts.items())) or "nothing"
         )
+
+
+def _is_secret(model: type[Any], name: str) -> bool:
+    """Credentials (encrypted at rest) and component secrets are never shown."""
+    return name == "secret" or isinstance(model._meta.get_field(name), EncryptedTextField)
+
+
+def _shown(value: Any) -> str:
+    return "" if value is None else str(value)
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
@@ -217,59 +266,82 @@ def _app_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str
 
 
 def _upsert(
-    model: type[Any], report: ProvisioningReport, lookup: dict[str, Any], values: dict[str, Any]
+    model: type[Any],
+    report: ProvisioningReport,
+    label: str,
+    lookup: dict[str, Any],
+    values: dict[str, Any],
 ) -> Any:
     obj = model.objects.filter(**lookup).first()
     kind = model._meta.verbose_name
     if obj is None:
         obj = model.objects.create(**lookup, **values)
-        report.note(kind, "created")
+        report.note(ObjectChange(kind, label, "created"))
         return obj
     changed = [name for name, value in values.items() if getattr(obj, name) != value]
+    fields = tuple(
+        FieldChange(
+            name,
+            _shown(getattr(obj, name)),
+            _shown(values[name]),
+            _is_secret(model, name),
+        )
+        for name in changed
+    )
     if changed:
         for name in changed:
             setattr(obj, name, values[name])
         obj.save()
-        report.note(kind, "updated")
+        report.note(ObjectChange(kind, label, "updated", fields))
     else:
-        report.note(kind, "unchanged")
+        report.note(ObjectChange(kind, label, "unchanged"))
     return obj
 
 
-def load_tenants(document: str, *, base_dir: Path) -> ProvisioningReport:
+def load_tenants(document: str, *, base_dir: Path, dry_run: bool = False) -> ProvisioningReport:
+    """Apply the document; with `dry_run`, report what it would change and keep nothing."""
     try:
         data = yaml.safe_load(document)
     except yaml.YAMLError as error:
         raise ProvisioningError(f"not valid YAML: {error}") from error
     data = _mapping(data, "document")
-    report = ProvisioningReport()
+    report = ProvisioningReport(dry_run=dry_run)
     with transaction.atomic():
-        for t_index, tenant_doc in enumerate(_list(data.get("tenants"), "tenants")):
-            where = f"tenants[{t_index}]"
-            tenant_doc = _mapping(tenant_doc, where)
-            tenant = _upsert(
-                Tenant,
-                report,
-                {"name": _text(tenant_doc, "name", where)},
-                {"display_name": _text(tenant_doc, "display_name", where, required=False)},
-            )
-            apps: dict[str, App] = {}
-            for a_index, app_doc in enumerate(_list(tenant_doc.get("apps"), f"{where}.apps")):
-                app_where = f"{where}.apps[{a_index}]"
-                app_doc = _mapping(app_doc, app_where)
-                name = _text(app_doc, "name", app_where)
-                apps[name] = _upsert(
-                    App,
-                    report,
-                    {"tenant": tenant, "name": name},
-                    _app_fields(app_doc, app_where, base_dir),
-                )
-            for c_index, comp_doc in enumerate(
-                _list(tenant_doc.get("components"), f"{where}.components")
-            ):
-                comp_where = f"{where}.components[{c_index}]"
-                _component(tenant, apps, _mapping(comp_doc, comp_where), comp_where, report)
+        _apply(data, base_dir, report)
+        if dry_run:
+            transaction.set_rollback(True)
     return report
+
+
+def _apply(data: dict[str, Any], base_dir: Path, report: ProvisioningReport) -> None:
+    for t_index, tenant_doc in enumerate(_list(data.get("tenants"), "tenants")):
+        where = f"tenants[{t_index}]"
+        tenant_doc = _mapping(tenant_doc, where)
+        tenant_name = _text(tenant_doc, "name", where)
+        tenant = _upsert(
+            Tenant,
+            report,
+            tenant_name,
+            {"name": tenant_name},
+            {"display_name": _text(tenant_doc, "display_name", where, required=False)},
+        )
+        apps: dict[str, App] = {}
+        for a_index, app_doc in enumerate(_list(tenant_doc.get("apps"), f"{where}.apps")):
+            app_where = f"{where}.apps[{a_index}]"
+            app_doc = _mapping(app_doc, app_where)
+            name = _text(app_doc, "name", app_where)
+            apps[name] = _upsert(
+                App,
+                report,
+                f"{tenant_name}/{name}",
+                {"tenant": tenant, "name": name},
+                _app_fields(app_doc, app_where, base_dir),
+            )
+        for c_index, comp_doc in enumerate(
+            _list(tenant_doc.get("components"), f"{where}.components")
+        ):
+            comp_where = f"{where}.components[{c_index}]"
+            _component(tenant, apps, _mapping(comp_doc, comp_where), comp_where, report)
 
 
 def _component(
@@ -309,6 +381,7 @@ def _component(
     _upsert(
         Component,
         report,
+        str(jid),
         {"jid": str(jid)},
         {
             "tenant": tenant,

@@ -1,6 +1,6 @@
 """Accepting an XEP-0357 publish from a user's server and queueing its send.
 
-The answer decides whether users keep their push (protocols.md 1.3): ejabberd drops a
+The answer decides whether users keep their push (docs/protocols.md 1.3): ejabberd drops a
 registration after ONE error that is not `wait`, so every passing trouble must map to a `wait`
 verdict (UNAVAILABLE, RATE_LIMITED), and only a dead or unknown node, a wrong secret or a
 domain the tenant does not allow to a hard one:

@@ -4,7 +4,7 @@ Both are decided in ONE round trip per publish (a Lua script in Redis, or one SQ
 transaction on a single host), so the gateway's hot path stays cheap:
 
 - Token bucket: a tenant may publish `burst` times at once and `rate` times per second after
-  that; excess publishes are answered with a `wait` error (protocols.md 1.3), never dropped
+  that; excess publishes are answered with a `wait` error (docs/protocols.md 1.3), never dropped
   silently. A rate of 0 or less means no limit.
 - Coalescing: a phone needs one wake-up, not fifty. At most one send per registration per
   window (RELAY["COALESCE_SECONDS"]). A publish inside the window schedules ONE delayed send at

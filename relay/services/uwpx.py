@@ -1,4 +1,4 @@
-"""The UWPX-style registration protocol of Windows clients (protocols.md section 3).
+"""The UWPX-style registration protocol of Windows clients (docs/protocols.md section 3).
 
 Both entry points, the HTTP API (`relay.api`) and the TLS listener (`run_uwpx_listener`), call
 these functions: they validate, store and queue, and raise `UwpxError` carrying the text the
@@ -115,7 +115,7 @@ def device_id_hash(device_id: str) -> str:
 
 
 def account_id(*, device_id: str, bare_jid: str) -> str:
-    """sha256_hex(device_id + bare_jid), as UWPX computes it (protocols.md 3.2).
+    """sha256_hex(device_id + bare_jid), as UWPX computes it (docs/protocols.md 3.2).
 
     The JID is hashed exactly as the client sent it: the client recomputes this value from its
     own spelling to know which account a push is for.
@@ -413,7 +413,7 @@ def request_test_push(*, app: App, device_id: str) -> str:
     """Queue one wake-up for the device's first account, through the normal send path.
 
     The same service as the admin's test push: the device receives the raw notification of
-    protocols.md 3.3 for that account (message count 0), exactly as a real push would reach it.
+    docs/protocols.md 3.3 for that account (message count 0), exactly as a real push would reach it.
     Returns the push id.
     """
     validate_device_id(device_id)

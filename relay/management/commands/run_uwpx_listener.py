@@ -143,14 +143,46 @@ class Command(BaseCommand):
     help = "Serve unmodified UWPX clients: NUL-framed JSON over TLS (default port 1997)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--address", default=settings.UWPX_LISTEN_ADDRESS)
-        parser.add_argument("--port", type=int, default=settings.UWPX_LISTEN_PORT)
-        parser.add_argument("--app", default=settings.UWPX_LISTEN_APP, help="The app's public key.")
-        parser.add_argument("--cert", default=settings.UWPX_TLS_CERT_FILE, help="PEM chain.")
-        parser.add_argument("--key", default=settings.UWPX_TLS_KEY_FILE, help="PEM key.")
-        parser.add_argument("--idle-seconds", type=float, default=30.0)
-        parser.add_argument("--max-connections", type=int, default=512)
-        parser.add_argument("--threads", type=int, default=8)
+        parser.add_argument(
+            "--address",
+            default=settings.UWPX_LISTEN_ADDRESS,
+            help="Address to listen on (UWPX_LISTEN_ADDRESS; default 127.0.0.1).",
+        )
+        parser.add_argument(
+            "--port",
+            type=int,
+            default=settings.UWPX_LISTEN_PORT,
+            help="TCP port (UWPX_LISTEN_PORT; the client dials 1997).",
+        )
+        parser.add_argument(
+            "--app",
+            default=settings.UWPX_LISTEN_APP,
+            help="The app's public key (UWPX_LISTEN_APP).",
+        )
+        parser.add_argument(
+            "--cert", default=settings.UWPX_TLS_CERT_FILE, help="PEM chain (UWPX_TLS_CERT_FILE)."
+        )
+        parser.add_argument(
+            "--key", default=settings.UWPX_TLS_KEY_FILE, help="PEM key (UWPX_TLS_KEY_FILE)."
+        )
+        parser.add_argument(
+            "--idle-seconds",
+            type=float,
+            default=30.0,
+            help="Close a connection that sends nothing for this long (default 30).",
+        )
+        parser.add_argument(
+            "--max-connections",
+            type=int,
+            default=512,
+            help="Connections served at once; more are closed at once (default 512).",
+        )
+        parser.add_argument(
+            "--threads",
+            type=int,
+            default=8,
+            help="Threads for the database work of the messages (default 8).",
+        )
         parser.add_argument(
             "--idle-if-unconfigured",
             action="store_true",
