@@ -306,6 +306,26 @@ RELAY.update(
         "API_TRUSTED_PROXIES": env_int("RELAY_API_TRUSTED_PROXIES", 0),
     }
 )
+# --- New registrations by ad-hoc command (relay/services/registrations.py): rate limits
+# ("count/seconds": a bucket of `count` that refills over `seconds`; a count of 0 turns it off)
+# and caps on registrations kept, per account domain (within a tenant) and per tenant. Beyond
+# either the phone is answered `wait` (resource-constraint) and tries again later. A device
+# registering again (a new token) is never refused.
+RELAY.update(
+    {
+        "REGISTRATION_RATE_PER_DOMAIN": env_rate(
+            "RELAY_REGISTRATION_RATE_PER_DOMAIN", "1000/3600"
+        ),
+        "REGISTRATION_RATE_PER_TENANT": env_rate(
+            "RELAY_REGISTRATION_RATE_PER_TENANT", "10000/3600"
+        ),
+        "REGISTRATION_CAP_PER_DOMAIN": env_int("RELAY_REGISTRATION_CAP_PER_DOMAIN", 200_000),
+        "REGISTRATION_CAP_PER_TENANT": env_int("RELAY_REGISTRATION_CAP_PER_TENANT", 2_000_000),
+        # Registrations no publish ever reached this many days after they were last registered
+        # are removed by the beat task relay.remove_unused_registrations (0 keeps them).
+        "REGISTRATION_UNUSED_DAYS": env_float("RELAY_REGISTRATION_UNUSED_DAYS", 30.0),
+    }
+)
 # The NUL-framed JSON-over-TLS listener that unmodified UWPX clients dial (port 1997).
 UWPX_LISTEN_ADDRESS = os.environ.get("UWPX_LISTEN_ADDRESS", "127.0.0.1")
 UWPX_LISTEN_PORT = env_int("UWPX_LISTEN_PORT", 1997)
@@ -342,6 +362,10 @@ CELERY_BEAT_SCHEDULE = {
     "remove-stale-uwpx-devices": {
         "task": "relay.remove_stale_uwpx_devices",
         "schedule": env_float("RELAY_UWPX_STALE_CHECK_SECONDS", 6 * 3600.0),
+    },
+    "remove-unused-registrations": {
+        "task": "relay.remove_unused_registrations",
+        "schedule": env_float("RELAY_REGISTRATION_CLEANUP_SECONDS", 6 * 3600.0),
     },
 }
 
