@@ -240,6 +240,13 @@ RELAY = {
     "GATEWAY_THREADS": env_int("RELAY_GATEWAY_THREADS", 8),
     # Largest value of a single form field we accept in a stanza (characters).
     "MAX_FIELD_LENGTH": env_int("RELAY_MAX_FIELD_LENGTH", 4096),
+    # Gateway: a stanza larger (bytes) or nested deeper than this ends the stream with
+    # `policy-violation` (the link reconnects at once). Prosody's own c2s limit is 256 KiB.
+    "MAX_STANZA_BYTES": env_int("RELAY_MAX_STANZA_BYTES", 256 * 1024),
+    "MAX_STANZA_DEPTH": env_int("RELAY_MAX_STANZA_DEPTH", 32),
+    # Gateway: requests one link may have waiting for the database or the broker; beyond it
+    # they are answered `wait` (resource-constraint).
+    "LINK_MAX_IN_FLIGHT": env_int("RELAY_LINK_MAX_IN_FLIGHT", 1000),
     # Sending: retries with backoff for temporary provider errors.
     "SEND_MAX_ATTEMPTS": env_int("RELAY_SEND_MAX_ATTEMPTS", 8),
     "SEND_RETRY_BASE_SECONDS": env_float("RELAY_SEND_RETRY_BASE_SECONDS", 2.0),
