@@ -167,20 +167,18 @@ def admit_new_registration(*, tenant: Tenant, domain: str) -> None:
             f"{max(1, round(refusal.retry_after))} s",
             refusal.retry_after,
         )
-    domain_cap = int(settings.RELAY["REGISTRATION_CAP_PER_DOMAIN"])
-    if domain_cap > 0 and _count(tenant.pk, domain) >= domain_cap:
-        log.warning("registration.cap_reached", extra={"tenant": tenant.pk, "limit": "domain"})
-        raise RegistrationRefused(
-            f"this push service keeps at most {domain_cap} registrations for one domain; "
-            "ask its operator to raise the limit"
-        )
-    tenant_cap = int(settings.RELAY["REGISTRATION_CAP_PER_TENANT"])
-    if tenant_cap > 0 and _count(tenant.pk, None) >= tenant_cap:
-        log.warning("registration.cap_reached", extra={"tenant": tenant.pk, "limit": "tenant"})
-        raise RegistrationRefused(
-            f"this push service keeps at most {tenant_cap} registrations; "
-            "ask its operator to raise the limit"
-        )
+    caps = (
+        ("REGISTRATION_CAP_PER_DOMAIN", domain, "domain", " for one domain"),
+        ("REGISTRATION_CAP_PER_TENANT", None, "tenant", ""),
+    )
+    for setting, counted_domain, limit, scope in caps:
+        cap = int(settings.RELAY[setting])
+        if cap > 0 and _count(tenant.pk, counted_domain) >= cap:
+            log.warning("registration.cap_reached", extra={"tenant": tenant.pk, "limit": limit})
+            raise RegistrationRefused(
+                f"this push service keeps at most {cap} registrations{scope}; "
+                "ask its operator to raise the limit"
+            )
 
 
 _counts_lock = threading.Lock()
