@@ -15,6 +15,7 @@ import logging
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from slixmpp.jid import JID, InvalidJID
@@ -31,16 +32,27 @@ ERROR_SUMMARY_SECONDS = 60.0
 BUSY = handlers.error(*handlers.SLOW_DOWN, "too many requests in flight on this link")
 
 
-def reply_xml(iq: ET.Element, answer: handlers.Answer, component_jid: str) -> bytes:
-    """The answer to `iq`, addressed back to whatever its `from` said (escaped, never parsed)."""
+@dataclass(frozen=True, slots=True)
+class Asker:
+    """What an answer needs of its iq (kept instead of the iq while a request waits)."""
+
+    sender: str | None
+    to: str
+    iq_id: str | None
+
+    @classmethod
+    def of(cls, iq: ET.Element) -> Asker:
+        return cls(iq.get("from"), iq.get("to", ""), iq.get("id"))
+
+
+def reply_xml(asker: Asker, answer: handlers.Answer, component_jid: str) -> bytes:
+    """The answer to an iq, addressed back to whatever its `from` said (escaped, never parsed)."""
     attributes = [("type", "error" if answer.is_error else "result")]
-    sender = iq.get("from")
-    if sender:
-        attributes.append(("to", sender))
-    attributes.append(("from", _our_address(iq.get("to", ""), component_jid)))
-    iq_id = iq.get("id")
-    if iq_id is not None:
-        attributes.append(("id", iq_id))
+    if asker.sender:
+        attributes.append(("to", asker.sender))
+    attributes.append(("from", _our_address(asker.to, component_jid)))
+    if asker.iq_id is not None:
+        attributes.append(("id", asker.iq_id))
     head = "<iq" + "".join(f" {name}={quoteattr(value)}" for name, value in attributes)
     if answer.is_error:
         # In the stream's namespace (what slixmpp's fix_error_ns did): Prosody needs it.
@@ -139,18 +151,19 @@ class PushComponent(GuardedStream):
         except Exception as error:  # a bug must neither go unanswered nor end the link
             log.exception("gateway.handler_crashed", extra={"error_type": type(error).__name__})
             outcome = handlers.error(*handlers.TRY_LATER)
+        asker = Asker.of(iq)
         if isinstance(outcome, handlers.Answer):
-            self._send_answer(iq, outcome)
+            self._send_answer(asker, outcome)
             return
         if len(self.in_flight) >= self.max_in_flight:
             outcome.close()
-            self._send_answer(iq, BUSY)
+            self._send_answer(asker, BUSY)
             return
-        task = asyncio.ensure_future(self._finish(iq, outcome))
+        task = asyncio.ensure_future(self._finish(asker, outcome))
         self.in_flight.add(task)
         task.add_done_callback(self.in_flight.discard)
 
-    async def _finish(self, iq: ET.Element, pending: handlers.Pending) -> None:
+    async def _finish(self, asker: Asker, pending: handlers.Pending) -> None:
         try:
             async with asyncio.timeout(self.answer_timeout):
                 answer = await pending
@@ -159,15 +172,15 @@ class PushComponent(GuardedStream):
         except Exception as error:  # a bug must not cost users their registrations
             log.exception("gateway.handler_crashed", extra={"error_type": type(error).__name__})
             answer = handlers.error(*handlers.TRY_LATER)
-        self._send_answer(iq, answer)
+        self._send_answer(asker, answer)
 
-    def _send_answer(self, iq: ET.Element, answer: handlers.Answer) -> None:
+    def _send_answer(self, asker: Asker, answer: handlers.Answer) -> None:
         if answer.is_error:
             self._count_error(answer)
         transport = self.transport
         if transport is None or transport.is_closing():
             return  # the link is gone; the server times the request out and retries
-        transport.write(reply_xml(iq, answer, self.context.component.jid))
+        transport.write(reply_xml(asker, answer, self.context.component.jid))
 
     def _count_error(self, answer: handlers.Answer) -> None:
         """One log line per link and minute for error answers, not one per hostile stanza."""

@@ -87,7 +87,8 @@ class GuardedStream(ComponentXMPP):
     # --- what subclasses implement
 
     def on_request(self, iq: ET.Element) -> None:
-        """A get/set iq arrived (its element stays valid after this returns)."""
+        """A get/set iq arrived (its element stays valid after this returns; keep only what
+        is needed of it: a waiting request holding its stanza holds up to max_stanza_bytes)."""
         raise NotImplementedError
 
     # --- reading
