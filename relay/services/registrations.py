@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # A cap may so be passed by what other processes create meanwhile: at most the rate limit's
 # worth of this many seconds.
 CAP_COUNT_SECONDS = 60.0
+MAX_COUNTS_KEPT = 10_000
 
 
 class UnknownRegistration(Exception):
@@ -199,6 +200,11 @@ def _count(tenant_id: int, domain: str | None) -> int:
         rows = rows.filter(account_domain=domain)
     count = rows.count()
     with _counts_lock:
+        if len(_counts) >= MAX_COUNTS_KEPT:  # many domains: keep what is still fresh
+            for stale in [k for k, (_, until) in _counts.items() if until <= now]:
+                del _counts[stale]
+            if len(_counts) >= MAX_COUNTS_KEPT:
+                _counts.clear()
         _counts[key] = (count, now + CAP_COUNT_SECONDS)
     return count
 

@@ -662,6 +662,8 @@ class _SqliteStore:
     def take_tokens(self, buckets: list[Bucket]) -> Refusal | None:
         with self._transaction() as conn:
             now = time.time()
+            if random.random() < 0.001:
+                conn.execute("DELETE FROM buckets WHERE expires < ?", (now,))
             tokens: list[float] = []
             refusal: Refusal | None = None
             for index, bucket in enumerate(buckets):
