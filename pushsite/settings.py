@@ -294,6 +294,13 @@ RELAY = {
     "GATEWAY_THREADS": env_int("RELAY_GATEWAY_THREADS", 8),
     # Largest value of a single form field we accept in a stanza (characters).
     "MAX_FIELD_LENGTH": env_int("RELAY_MAX_FIELD_LENGTH", 4096),
+    # Gateway: a stanza larger (bytes) or nested deeper than this ends the stream with
+    # `policy-violation` (the link reconnects at once). Prosody's own c2s limit is 256 KiB.
+    "MAX_STANZA_BYTES": env_int("RELAY_MAX_STANZA_BYTES", 256 * 1024),
+    "MAX_STANZA_DEPTH": env_int("RELAY_MAX_STANZA_DEPTH", 32),
+    # Gateway: requests one link may have waiting for the database or the broker; beyond it
+    # they are answered `wait` (resource-constraint).
+    "LINK_MAX_IN_FLIGHT": env_int("RELAY_LINK_MAX_IN_FLIGHT", 1000),
     # Sending: retries with backoff for temporary provider errors.
     "SEND_MAX_ATTEMPTS": env_int("RELAY_SEND_MAX_ATTEMPTS", 8),
     "SEND_RETRY_BASE_SECONDS": env_float("RELAY_SEND_RETRY_BASE_SECONDS", 2.0),
@@ -362,6 +369,26 @@ RELAY.update(
         "API_TRUSTED_PROXIES": env_int("RELAY_API_TRUSTED_PROXIES", 0),
     }
 )
+# --- New registrations by ad-hoc command (relay/services/registrations.py): rate limits
+# ("count/seconds": a bucket of `count` that refills over `seconds`; a count of 0 turns it off)
+# and caps on registrations kept, per account domain (within a tenant) and per tenant. Beyond
+# either the phone is answered `wait` (resource-constraint) and tries again later. A device
+# registering again (a new token) is never refused.
+RELAY.update(
+    {
+        "REGISTRATION_RATE_PER_DOMAIN": env_rate(
+            "RELAY_REGISTRATION_RATE_PER_DOMAIN", "1000/3600"
+        ),
+        "REGISTRATION_RATE_PER_TENANT": env_rate(
+            "RELAY_REGISTRATION_RATE_PER_TENANT", "10000/3600"
+        ),
+        "REGISTRATION_CAP_PER_DOMAIN": env_int("RELAY_REGISTRATION_CAP_PER_DOMAIN", 200_000),
+        "REGISTRATION_CAP_PER_TENANT": env_int("RELAY_REGISTRATION_CAP_PER_TENANT", 2_000_000),
+        # Registrations no publish ever reached this many days after they were last registered
+        # are removed by the beat task relay.remove_unused_registrations (0 keeps them).
+        "REGISTRATION_UNUSED_DAYS": env_float("RELAY_REGISTRATION_UNUSED_DAYS", 30.0),
+    }
+)
 # The NUL-framed JSON-over-TLS listener that unmodified UWPX clients dial (port 1997).
 UWPX_LISTEN_ADDRESS = os.environ.get("UWPX_LISTEN_ADDRESS", "127.0.0.1")
 UWPX_LISTEN_PORT = env_int("UWPX_LISTEN_PORT", 1997)
@@ -398,6 +425,10 @@ CELERY_BEAT_SCHEDULE = {
     "remove-stale-uwpx-devices": {
         "task": "relay.remove_stale_uwpx_devices",
         "schedule": env_float("RELAY_UWPX_STALE_CHECK_SECONDS", 6 * 3600.0),
+    },
+    "remove-unused-registrations": {
+        "task": "relay.remove_unused_registrations",
+        "schedule": env_float("RELAY_REGISTRATION_CLEANUP_SECONDS", 6 * 3600.0),
     },
 }
 

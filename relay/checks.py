@@ -114,3 +114,26 @@ def login_settings_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
             )
         ]
     return []
+
+
+@register("relay")
+def gateway_limits_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Stanza limits a real publish would break: every such publish would end the link."""
+    relay = settings.RELAY
+    messages: list[CheckMessage] = []
+    smallest = int(relay["MAX_FIELD_LENGTH"]) * 2 + 4096  # a publish with a long field or two
+    if int(relay["MAX_STANZA_BYTES"]) < smallest:
+        messages.append(
+            Error(
+                f"RELAY_MAX_STANZA_BYTES ({relay['MAX_STANZA_BYTES']}) is below {smallest}: a "
+                "publish with form fields of RELAY_MAX_FIELD_LENGTH would end its link.",
+                id="relay.E101",
+            )
+        )
+    if int(relay["MAX_STANZA_DEPTH"]) < 10:
+        messages.append(
+            Error("RELAY_MAX_STANZA_DEPTH is below 10: publishes nest 8 deep.", id="relay.E102")
+        )
+    if int(relay["LINK_MAX_IN_FLIGHT"]) < 1:
+        messages.append(Error("RELAY_LINK_MAX_IN_FLIGHT must be at least 1.", id="relay.E103"))
+    return messages

@@ -48,3 +48,11 @@ def remove_stale_uwpx_devices() -> int:
     from relay.services import uwpx
 
     return uwpx.remove_stale_devices()
+
+
+@shared_task(name="relay.remove_unused_registrations", ignore_result=True)
+def remove_unused_registrations() -> int:
+    """Beat task (CELERY_BEAT_SCHEDULE): registrations no publish ever reached."""
+    from relay.services import registrations
+
+    return registrations.remove_unused_registrations()

@@ -265,3 +265,25 @@ def test_the_link_comes_back_after_the_xmpp_server_restarts(
     friend.send_message(phone.bare_jid, "after the restart")
     [request] = relay.fake.wait_for_requests(1, timeout=30)
     assert request.token == "fcm-token-after-restart"
+
+
+def test_a_phone_over_the_registration_limit_is_told_to_wait_through_a_real_server(
+    xmpp_server, relay_on, xmpp_client_factory
+):
+    """The answer to a refused register command reaches the phone as `wait` with its text
+    (Conversations tries again later), and registering the same device again still works."""
+    relay = relay_on(xmpp_server, RELAY_REGISTRATION_RATE_PER_DOMAIN="1/3600")
+    phone = xmpp_client_factory(xmpp_server, "phone")
+    node, secret = relay.register(phone, "fcm-token-first", device_id="device-a")
+    refused = phone.execute_command(
+        relay.component.jid, "register-push-fcm", {"token": "t", "device-id": "device-b"}
+    )
+    assert refused.get("type") == "error"
+    error = refused.find("{jabber:client}error")
+    assert error.get("type") == "wait"
+    assert error.find("{urn:ietf:params:xml:ns:xmpp-stanzas}resource-constraint") is not None
+    text = error.findtext("{urn:ietf:params:xml:ns:xmpp-stanzas}text")
+    assert "too many new registrations from this domain" in text
+    again = relay.register(phone, "fcm-token-second", device_id="device-a")
+    assert again == (node, secret)
+    assert Registration.objects.get(node=node).token == "fcm-token-second"

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from django.conf import settings
+from django.db import connection, transaction
 
 from relay.models import Service
 from relay.services.registrations import register_device
@@ -17,7 +18,7 @@ from tests.support import broker
 from tests.support.component_server import FakeXmppServer, error_of
 from tests.support.processes import start_gateway, test_database_url, wait_until
 from tests.support.proxy import TcpProxy
-from tests.test_gateway_stanzas import COMPONENT, SECRET, Lab, make_component
+from tests.test_gateway_stanzas import COMPONENT, SECRET, Lab, make_component, publish_xml
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -74,4 +75,41 @@ def test_broker_outage_answers_wait_and_recovers(transactional_db):
         assert gateway.stop() == 0
         server.close()
         proxy.close()
+        broker.purge()
+
+
+def test_a_link_holds_at_most_its_cap_of_requests_and_answers_bad_input_meanwhile(
+    transactional_db,
+):
+    """With the registrations table locked, publishes wait for the database: the first
+    RELAY_LINK_MAX_IN_FLIGHT of them wait, the rest are answered `wait` at once, and hostile
+    stanzas are answered without touching the database or the gateway's threads."""
+    server = FakeXmppServer(COMPONENT, SECRET)
+    component = make_component(server.port)
+    registration = register_device(
+        component=component, service=Service.FCM, bare_jid="a@localhost", device_id="d", token="t"
+    )
+    broker.purge()
+    gateway = start_gateway(RELAY_LINK_MAX_IN_FLIGHT="3")
+    try:
+        server.wait_connected()
+        lab = Lab(server, gateway, component, registration)
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("LOCK TABLE relay_registration IN ACCESS EXCLUSIVE MODE")
+            server.send(
+                "".join(publish_xml(f"p{i}", lab.node, lab.secret) for i in range(10))
+                + publish_xml("bad-sender", lab.node, lab.secret, sender="@@@")
+                + publish_xml("no-node", None, lab.secret)
+            )
+            for i in range(3, 10):
+                assert error_of(server.reply_to(f"p{i}")) == ("wait", "resource-constraint")
+            assert error_of(server.reply_to("bad-sender")) == ("modify", "jid-malformed")
+            assert error_of(server.reply_to("no-node")) == ("modify", "bad-request")
+            answered = {stanza.get("id") for stanza in server.stanzas}
+            assert not {"p0", "p1", "p2"} & answered  # still waiting for the database
+        for i in range(3):  # the lock is gone: they go through
+            assert server.reply_to(f"p{i}").get("type") == "result"
+    finally:
+        assert gateway.stop() == 0
+        server.close()
         broker.purge()

@@ -108,6 +108,68 @@ def test_bucket_is_exact_under_concurrency(store):
     assert admitted.count(Decision.LIMITED) == 150
 
 
+# --- token buckets of several keys at once (new registrations) ---------------------------------
+
+
+def buckets(*limits: Limit) -> list[throttling.Bucket]:
+    return [throttling.Bucket(new_key(), limit) for limit in limits]
+
+
+def test_take_tokens_takes_from_every_bucket_or_from_none(store):
+    small, large = buckets(Limit(rate=0.0001, burst=2), Limit(rate=0.0001, burst=3))
+    assert store.take_tokens([small, large]) is None
+    assert store.take_tokens([small, large]) is None
+    refused = store.take_tokens([small, large])
+    assert refused.bucket == 0 and refused.retry_after > 1000  # 1 token at 0.0001/s
+    # Nothing was taken from the large bucket by the refused call: one token is left in it.
+    assert store.take_tokens([large]) is None
+    assert store.take_tokens([large]).bucket == 0
+    # The index names the empty bucket even when it is not the first.
+    fresh = throttling.Bucket(new_key(), Limit(rate=0.0001, burst=5))
+    assert store.take_tokens([fresh, large]).bucket == 1
+
+
+def test_take_tokens_refills_at_the_rate(store):
+    [bucket] = buckets(Limit(rate=20, burst=1))
+    assert store.take_tokens([bucket]) is None
+    assert store.take_tokens([bucket]) is not None
+    wait_until(lambda: store.take_tokens([bucket]) is None, timeout=5, interval=0.01)
+
+
+def test_take_tokens_is_exact_under_concurrency(store):
+    """Eight threads race for 30 tokens of two buckets: exactly 30 get through."""
+    shared = buckets(Limit(rate=0.0001, burst=30), Limit(rate=0.0001, burst=1000))
+    taken: list[bool] = []
+    lock = threading.Lock()
+    start = threading.Barrier(8)
+
+    def hammer() -> None:
+        start.wait()
+        for _ in range(10):
+            got = store.take_tokens(shared) is None
+            with lock:
+                taken.append(got)
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert taken.count(True) == 30
+    # The second bucket gave exactly as many: 1000 - 30 are left.
+    assert store.take_tokens([shared[1]]) is None
+
+
+def test_take_tokens_skips_unlimited_buckets_and_fails_open(store, monkeypatch):
+    unlimited, limited = buckets(UNLIMITED, Limit(rate=0.0001, burst=1))
+    assert throttling.take_tokens([unlimited, limited]) is None
+    refused = throttling.take_tokens([unlimited, limited])
+    assert refused.bucket == 1  # the caller's index, not the store's
+    monkeypatch.setattr(throttling, "_down_until", 0.0)
+    with relay_settings(STATE_URL="redis://127.0.0.1:1/0"):
+        assert throttling.take_tokens([limited]) is None  # no store: admitted
+
+
 def test_coalescing_sends_once_then_folds_into_one_delayed_send(store):
     window = new_key()
     first = store.admit("", UNLIMITED, window, LONG_WINDOW, push_id(), Fold(False, 1))

@@ -1,7 +1,10 @@
-"""Stanza handlers: parse the iq, call a service, turn its verdict into an answer.
+"""Stanza handlers: judge the iq, call a service, turn its verdict into an answer.
 
-Every get/set iq gets exactly one answer; a handler never raises to slixmpp (which would
-answer `feature-not-implemented`, a hard error that makes servers drop registrations).
+Every get/set iq gets exactly one answer, and a handler never raises. A handler returns its
+`Answer` at once when it can decide without a service call (a malformed, unknown or refused
+request: cheap, no task, no thread), or a coroutine for the part that needs the database or
+the broker; the link runs those, a bounded number at a time (xmppgateway.component). To serve
+another iq, add its (iq type, payload tag) to `HANDLERS`.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 import xml.etree.ElementTree as ET
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -65,7 +68,8 @@ ITEM_NOT_FOUND = "item-not-found", "cancel"
 FORBIDDEN = "forbidden", "auth"
 SERVICE_UNAVAILABLE = "service-unavailable", "cancel"
 TRY_LATER = "internal-server-error", "wait"
-SLOW_DOWN = "resource-constraint", "wait"  # the tenant's rate limit
+SLOW_DOWN = "resource-constraint", "wait"  # a rate limit, a cap, or a busy link
+JID_MALFORMED = "jid-malformed", "modify"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +99,26 @@ class LinkContext:
     accept_publish: AcceptPublish | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A get/set iq from a sender whose address is a valid JID, with its one payload."""
+
+    iq_type: str
+    sender: JID
+    payload: ET.Element
+
+
+# What a handler returns: the answer, or the coroutine that will produce it.
+Pending = Coroutine[Any, Any, Answer]
+Outcome = Answer | Pending
+Handler = Callable[[LinkContext, Request], Outcome]
+
+
 # --- disco
 
 
-def disco_info(ctx: LinkContext, query: ET.Element) -> Answer:
+def disco_info(ctx: LinkContext, request: Request) -> Answer:
+    query = request.payload
     node = query.get("node")
     reply = ET.Element(q(DISCO_INFO_NS, "query"))
     if node:
@@ -129,7 +149,8 @@ def disco_info(ctx: LinkContext, query: ET.Element) -> Answer:
     return Answer(reply)
 
 
-def disco_items(ctx: LinkContext, query: ET.Element) -> Answer:
+def disco_items(ctx: LinkContext, request: Request) -> Answer:
+    query = request.payload
     node = query.get("node")
     reply = ET.Element(q(DISCO_ITEMS_NS, "query"))
     if node:
@@ -161,7 +182,8 @@ def _bare_room(value: str) -> str:
     return str(room.bare)
 
 
-async def command(ctx: LinkContext, sender: JID, element: ET.Element) -> Answer:
+def command(ctx: LinkContext, request: Request) -> Outcome:
+    element, sender = request.payload, request.sender
     name = element.get("node", "")
     spec = COMMANDS.get(name)
     if spec is None:
@@ -186,46 +208,70 @@ async def command(ctx: LinkContext, sender: JID, element: ET.Element) -> Answer:
     token = fields.get("token", "").strip()
     if not device_id:
         return error(*BAD_REQUEST, "device-id is required")
-    bare_jid = str(sender.bare)
+    device = _Device(str(sender.bare), device_id, room)
+    if spec.action == "register":
+        if not token:
+            return error(*BAD_REQUEST, "token is required")
+        return _register(ctx, name, session_id, spec.service, device, token)
+    return _unregister(ctx, name, session_id, spec.service, device)
+
+
+@dataclass(frozen=True, slots=True)
+class _Device:
+    bare_jid: str
+    device_id: str
+    room: str
+
+
+async def _register(
+    ctx: LinkContext, name: str, session_id: str, service: Service, device: _Device, token: str
+) -> Answer:
     try:
-        if spec.action == "register":
-            if not token:
-                return error(*BAD_REQUEST, "token is required")
-            answer = await ctx.run_blocking(
-                registrations.register_device,
-                component=ctx.component,
-                service=spec.service,
-                bare_jid=bare_jid,
-                device_id=device_id,
-                token=token,
-                room_jid=room,
-            )
-            reply = _command_reply(name, session_id, "completed")
-            reply.append(
-                result_form(
-                    [
-                        ("jid", "jid-single", answer.component_jid),
-                        ("node", "text-single", answer.node),
-                        ("secret", "text-single", answer.secret),
-                    ]
-                )
-            )
-            return Answer(reply)
-        await ctx.run_blocking(
-            registrations.unregister_device,
+        answer = await ctx.run_blocking(
+            registrations.register_device,
             component=ctx.component,
-            service=spec.service,
-            bare_jid=bare_jid,
-            device_id=device_id,
-            room_jid=room,
+            service=service,
+            bare_jid=device.bare_jid,
+            device_id=device.device_id,
+            token=token,
+            room_jid=device.room,
         )
-        return Answer(_command_reply(name, session_id, "completed"))
-    except registrations.UnknownRegistration:
-        return error(*ITEM_NOT_FOUND, "no such registration")
+    except registrations.RegistrationRefused as refused:
+        return error(*SLOW_DOWN, refused.text)
     except channels.ChannelRefused as refused:
         return error("not-acceptable", "modify", str(refused))
     except Unavailable:
         return error(*TRY_LATER)
+    reply = _command_reply(name, session_id, "completed")
+    reply.append(
+        result_form(
+            [
+                ("jid", "jid-single", answer.component_jid),
+                ("node", "text-single", answer.node),
+                ("secret", "text-single", answer.secret),
+            ]
+        )
+    )
+    return Answer(reply)
+
+
+async def _unregister(
+    ctx: LinkContext, name: str, session_id: str, service: Service, device: _Device
+) -> Answer:
+    try:
+        await ctx.run_blocking(
+            registrations.unregister_device,
+            component=ctx.component,
+            service=service,
+            bare_jid=device.bare_jid,
+            device_id=device.device_id,
+            room_jid=device.room,
+        )
+    except registrations.UnknownRegistration:
+        return error(*ITEM_NOT_FOUND, "no such registration")
+    except Unavailable:
+        return error(*TRY_LATER)
+    return Answer(_command_reply(name, session_id, "completed"))
 
 
 def _command_reply(node: str, session_id: str, status: str) -> ET.Element:
@@ -237,24 +283,31 @@ def _command_reply(node: str, session_id: str, status: str) -> ET.Element:
 # --- XEP-0357 publish
 
 
-async def publish(ctx: LinkContext, sender: JID, pubsub: ET.Element) -> Answer:
+def publish(ctx: LinkContext, request: Request) -> Outcome:
+    sender = request.sender
     if sender.resource:
         return error(*FORBIDDEN, "publish from a full JID")
     try:
-        payload = parse_publish(pubsub, max_length=ctx.max_field_length)
+        payload = parse_publish(request.payload, max_length=ctx.max_field_length)
     except BadRequest as bad:
         return error(*BAD_REQUEST, str(bad))
     if not payload.secret:
         return error(*FORBIDDEN, "secret required")
-    request = publishing.Publish(
-        component_id=ctx.component.pk,
-        publishing_domain=sender.domain,
-        node=payload.node,
-        secret=payload.secret,
-        important=payload.important,
-        message_count=payload.message_count,
-        pending_subscription_count=payload.pending_subscription_count,
+    return _accept(
+        ctx,
+        publishing.Publish(
+            component_id=ctx.component.pk,
+            publishing_domain=sender.domain,
+            node=payload.node,
+            secret=payload.secret,
+            important=payload.important,
+            message_count=payload.message_count,
+            pending_subscription_count=payload.pending_subscription_count,
+        ),
     )
+
+
+async def _accept(ctx: LinkContext, request: publishing.Publish) -> Answer:
     try:
         if ctx.accept_publish is not None:
             verdict = await ctx.accept_publish(request)
@@ -278,21 +331,29 @@ async def publish(ctx: LinkContext, sender: JID, pubsub: ET.Element) -> Answer:
     return error(*TRY_LATER)
 
 
-async def dispatch(
-    ctx: LinkContext, iq_type: str, sender: JID, payload: ET.Element | None
-) -> Answer:
-    """Route a get/set iq by its payload; anything we do not offer is `service-unavailable`."""
+HANDLERS: dict[tuple[str, str], Handler] = {
+    ("get", q(DISCO_INFO_NS, "query")): disco_info,
+    ("get", q(DISCO_ITEMS_NS, "query")): disco_items,
+    ("set", q(COMMANDS_NS, "command")): command,
+    ("set", q(PUBSUB_NS, "pubsub")): publish,
+}
+
+
+def dispatch(ctx: LinkContext, iq_type: str, sender: str, payload: ET.Element | None) -> Outcome:
+    """Route a get/set iq by its payload; anything we do not offer is `service-unavailable`.
+
+    The sender is checked first: an address that is not a JID gets `jid-malformed` (the
+    user's server stamps it, so only a broken or hostile server sends one).
+    """
+    try:
+        jid = JID(sender)
+    except InvalidJID:
+        return error(*JID_MALFORMED, "the sender is not a valid JID")
+    if not jid.domain:
+        return error(*JID_MALFORMED, "the iq has no sender")
     if payload is None:
-        return error(*BAD_REQUEST, "empty iq")
-    tag = payload.tag
-    if iq_type == "get":
-        if tag == q(DISCO_INFO_NS, "query"):
-            return disco_info(ctx, payload)
-        if tag == q(DISCO_ITEMS_NS, "query"):
-            return disco_items(ctx, payload)
-    elif iq_type == "set":
-        if tag == q(COMMANDS_NS, "command"):
-            return await command(ctx, sender, payload)
-        if tag == q(PUBSUB_NS, "pubsub"):
-            return await publish(ctx, sender, payload)
-    return error(*SERVICE_UNAVAILABLE)
+        return error(*BAD_REQUEST, "an iq needs exactly one payload")
+    handler = HANDLERS.get((iq_type, payload.tag))
+    if handler is None:
+        return error(*SERVICE_UNAVAILABLE)
+    return handler(ctx, Request(iq_type, jid, payload))

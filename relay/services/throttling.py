@@ -13,6 +13,9 @@ transaction on a single host), so the gateway's hot path stays cheap:
   downgrades an important one: the user would miss the alert). Folded publishes are answered
   `result`: the pending send is already durably queued.
 
+The same stores keep the token buckets that limit new registrations (`take_tokens`: one
+token from several buckets, all or none, in one round trip; relay.services.registrations).
+
 The state is advisory and fails open: when the store cannot be reached, a publish is admitted
 and sent at once (a duplicate wake-up beats a lost one). A pending send that never ran (its
 enqueue failed and the clean-up did too) stops absorbing publishes after a grace period.
@@ -105,6 +108,22 @@ class StateUnavailable(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class Bucket:
+    """A token bucket for `take_tokens`, by its key (without KEY_PREFIX) and limit."""
+
+    key: str
+    limit: Limit
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """`take_tokens` took nothing: `bucket` (its index) is empty for `retry_after` seconds."""
+
+    bucket: int
+    retry_after: float
+
+
+@dataclass(frozen=True, slots=True)
 class _Ask:
     bucket: str
     limit: Limit
@@ -124,6 +143,8 @@ class _Store(Protocol):
     def take(self, window_key: str, push_id: str, window: float) -> Taken | None: ...
 
     def abandon(self, window_key: str, push_id: str) -> None: ...
+
+    def take_tokens(self, buckets: list[Bucket]) -> Refusal | None: ...
 
     def reset(self) -> None: ...
 
@@ -242,6 +263,23 @@ def abandon(*, registration: Registration, push_id: str) -> None:
         _failed(error)
 
 
+def take_tokens(buckets: list[Bucket]) -> Refusal | None:
+    """Take one token from each bucket, or none when any of them is empty: one round trip,
+    atomic across processes. Unlimited buckets are skipped; when the store cannot be reached
+    this admits (fails open, as publishes do). None when taken."""
+    limited = [(index, b) for index, b in enumerate(buckets) if not b.limit.unlimited]
+    if not limited or not _available():
+        return None
+    try:
+        refusal = _store().take_tokens([bucket for _, bucket in limited])
+    except StateUnavailable as error:
+        _failed(error)
+        return None
+    if refusal is None:
+        return None
+    return Refusal(limited[refusal.bucket][0], refusal.retry_after)
+
+
 def reset() -> None:
     """Forget every window and bucket (tests, or an operator starting afresh)."""
     global _down_until
@@ -329,6 +367,44 @@ end
 return {'0'}
 """
 
+# KEYS: the buckets; ARGV: rate and burst of each, in order. Takes a token from every bucket,
+# or from none when one is empty; answers {'-1', '0'} or {index (0-based), seconds to wait}.
+_TAKE_TOKENS_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local tokens = {}
+local empty = -1
+local wait = 0
+for i = 1, #KEYS do
+  local rate = tonumber(ARGV[2 * i - 1])
+  local burst = tonumber(ARGV[2 * i])
+  local b = redis.call('HMGET', KEYS[i], 'tokens', 'ts')
+  local have = tonumber(b[1])
+  local ts = tonumber(b[2])
+  if have == nil or ts == nil then
+    have = burst
+    ts = now
+  end
+  have = math.min(burst, have + math.max(0, now - ts) * rate)
+  tokens[i] = have
+  if have < 1 and empty < 0 then
+    empty = i - 1
+    wait = (1 - have) / rate
+  end
+end
+for i = 1, #KEYS do
+  local rate = tonumber(ARGV[2 * i - 1])
+  local burst = tonumber(ARGV[2 * i])
+  local left = tokens[i]
+  if empty < 0 then
+    left = left - 1
+  end
+  redis.call('HSET', KEYS[i], 'tokens', tostring(left), 'ts', tostring(now))
+  redis.call('PEXPIRE', KEYS[i], math.ceil((burst / rate + 60) * 1000))
+end
+return {tostring(empty), tostring(wait)}
+"""
+
 _ABANDON_LUA = """
 if redis.call('HGET', KEYS[1], 'pending') == ARGV[1] then
   redis.call('HDEL', KEYS[1], 'pending', 'due', 'important', 'mc', 'psc', 'folded')
@@ -384,6 +460,7 @@ class _RedisStore:
         self._admit = self._client.register_script(_ADMIT_LUA)
         self._take = self._client.register_script(_TAKE_LUA)
         self._abandon = self._client.register_script(_ABANDON_LUA)
+        self._take_tokens = self._client.register_script(_TAKE_TOKENS_LUA)
 
     def _run(self, script: Any, keys: list[str], args: list[Any]) -> list[str]:
         try:
@@ -425,6 +502,14 @@ class _RedisStore:
 
     def abandon(self, window_key: str, push_id: str) -> None:
         self._run(self._abandon, [KEY_PREFIX + window_key], [push_id])
+
+    def take_tokens(self, buckets: list[Bucket]) -> Refusal | None:
+        args: list[Any] = []
+        for bucket in buckets:
+            args += [repr(bucket.limit.rate), bucket.limit.burst]
+        answer = self._run(self._take_tokens, [KEY_PREFIX + b.key for b in buckets], args)
+        index = int(answer[0])
+        return None if index < 0 else Refusal(index, max(0.0, float(answer[1])))
 
     def reset(self) -> None:
         try:
@@ -574,6 +659,36 @@ class _SqliteStore:
                 (window_key, push_id),
             )
 
+    def take_tokens(self, buckets: list[Bucket]) -> Refusal | None:
+        with self._transaction() as conn:
+            now = time.time()
+            if random.random() < 0.001:
+                conn.execute("DELETE FROM buckets WHERE expires < ?", (now,))
+            tokens: list[float] = []
+            refusal: Refusal | None = None
+            for index, bucket in enumerate(buckets):
+                limit = bucket.limit
+                row = conn.execute(
+                    "SELECT tokens, ts FROM buckets WHERE key = ? AND expires >= ?",
+                    (bucket.key, now),
+                ).fetchone()
+                have, ts = (float(limit.burst), now) if row is None else row
+                have = min(limit.burst, have + max(0.0, now - ts) * limit.rate)
+                tokens.append(have)
+                if have < 1 and refusal is None:
+                    refusal = Refusal(index, (1 - have) / limit.rate)
+            for bucket, have in zip(buckets, tokens, strict=True):
+                conn.execute(
+                    "INSERT OR REPLACE INTO buckets VALUES (?, ?, ?, ?)",
+                    (
+                        bucket.key,
+                        have if refusal else have - 1,
+                        now,
+                        now + bucket.limit.burst / bucket.limit.rate + 60,
+                    ),
+                )
+            return refusal
+
     def reset(self) -> None:
         with self._transaction() as conn:
             conn.execute("DELETE FROM buckets")
@@ -634,9 +749,11 @@ def _open(url: str) -> _Store:
 __all__ = [
     "Admission",
     "AdmitRequest",
+    "Bucket",
     "Decision",
     "Fold",
     "Limit",
+    "Refusal",
     "StateUnavailable",
     "Taken",
     "abandon",
@@ -644,5 +761,6 @@ __all__ = [
     "admit_many",
     "reset",
     "take",
+    "take_tokens",
     "tenant_limit",
 ]

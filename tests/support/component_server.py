@@ -17,20 +17,34 @@ import xml.etree.ElementTree as ET
 STREAM_NS = "http://etherx.jabber.org/streams"
 ACCEPT_NS = "jabber:component:accept"
 STANZAS_NS = "urn:ietf:params:xml:ns:xmpp-stanzas"
+STREAMS_NS = "urn:ietf:params:xml:ns:xmpp-streams"
 
 
 class FakeXmppServer:
-    """Accepts component connections on 127.0.0.1 and records every stanza they send."""
+    """Accepts component connections on 127.0.0.1 and records every stanza they send.
 
-    def __init__(self, component_jid: str, secret: str) -> None:
+    Per connection it also keeps the raw bytes received (`received`, to check what the
+    gateway wrote byte for byte), the stream errors it got (`stream_errors`: condition names),
+    and whether the gateway's stream stopped being well-formed (`not_well_formed`).
+    `header_prefix` is written between the XML declaration and our stream header (e.g. a DTD,
+    as a hostile server could send).
+    """
+
+    def __init__(self, component_jid: str, secret: str, *, header_prefix: bytes = b"") -> None:
         self.component_jid = component_jid
         self.secret = secret
+        self.header_prefix = header_prefix
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._cond = threading.Condition()
         self.stanzas: list[ET.Element] = []
         self.connections = 0
+        self.accepted = 0
         self.handshakes_refused = 0
+        self.received: list[bytearray] = []
+        self.stream_errors: list[str] = []
+        self.not_well_formed = 0
+        self.closed_connections = 0
         self._conn: socket.socket | None = None
         self._closed = False
         threading.Thread(target=self._accept_loop, daemon=True).start()
@@ -49,16 +63,23 @@ class FakeXmppServer:
         parser = ET.XMLPullParser(("start", "end"))
         stream_id = secrets.token_hex(8)
         depth = 0
+        received = bytearray()
+        with self._cond:
+            self.accepted += 1
+            self.received.append(received)
         try:
             while data := conn.recv(65536):
+                received += data
                 parser.feed(data)
                 for event, element in parser.read_events():
                     if event == "start":
                         depth += 1
                         if depth == 1:
                             conn.sendall(
-                                (
-                                    f"<?xml version='1.0'?><stream:stream "
+                                b"<?xml version='1.0'?>"
+                                + self.header_prefix
+                                + (
+                                    f"<stream:stream "
                                     f"xmlns:stream='{STREAM_NS}' xmlns='{ACCEPT_NS}' "
                                     f"from='{self.component_jid}' id='{stream_id}'>"
                                 ).encode()
@@ -84,16 +105,30 @@ class FakeXmppServer:
                             self._conn = conn
                             self.connections += 1
                             self._cond.notify_all()
+                    elif element.tag == f"{{{STREAM_NS}}}error":
+                        conditions = [
+                            child.tag.split("}", 1)[1]
+                            for child in element
+                            if child.tag.startswith(f"{{{STREAMS_NS}}}")
+                            and not child.tag.endswith("}text")
+                        ]
+                        with self._cond:
+                            self.stream_errors.append(conditions[0] if conditions else "")
+                            self._cond.notify_all()
                     else:
                         with self._cond:
                             self.stanzas.append(element)
                             self._cond.notify_all()
-        except (OSError, ET.ParseError):
+        except ET.ParseError:
+            with self._cond:
+                self.not_well_formed += 1
+        except OSError:
             pass  # the connection ends; the gateway is expected to reconnect
         finally:
             with self._cond:
                 if self._conn is conn:
                     self._conn = None
+                self.closed_connections += 1
                 self._cond.notify_all()
             conn.close()
 
@@ -112,6 +147,15 @@ class FakeXmppServer:
         if conn is None:
             raise ConnectionError("no component connected")
         conn.sendall(xml if isinstance(xml, bytes) else xml.encode())
+
+    def wait_stream_error(self, condition: str, timeout: float = 10.0) -> None:
+        """Until the gateway sent a stream error with `condition`."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: condition in self.stream_errors, timeout):
+                raise TimeoutError(
+                    f"no stream error {condition!r} (got {self.stream_errors}, "
+                    f"{self.not_well_formed} not well-formed)"
+                )
 
     def reply_to(self, iq_id: str, timeout: float = 10.0) -> ET.Element:
         def find() -> ET.Element | None:
