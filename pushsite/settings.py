@@ -208,12 +208,20 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = env_int("CELERY_WORKER_PREFETCH_MULTIPLIER", 4)
 CELERY_BROKER_CONNECTION_TIMEOUT = env_float("CELERY_BROKER_CONNECTION_TIMEOUT", 2.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A worker that lost the broker reconnects for as long as it takes (Celery's default gives up
+# after 100 attempts, about 45 minutes, and the worker exits).
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
 if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # An unacknowledged send comes back after this many seconds; it must exceed the
         # longest retry delay, since delayed sends wait unacknowledged in a worker.
         "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600),
+        # A worker renews its lease every few seconds; once it has not for this long (it was
+        # killed, or lost the broker), any worker gives back the sends it held
+        # (relay/redis_broker.py): a dead worker's sends return after this, not after the
+        # visibility timeout.
+        "lease_seconds": env_float("CELERY_WORKER_LEASE_SECONDS", 15.0),
         "socket_connect_timeout": 2,
         "socket_timeout": 5,
     }

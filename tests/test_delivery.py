@@ -286,9 +286,9 @@ def test_a_stuck_provider_is_cut_off_and_its_pushes_end_as_dead_letters(componen
         retries = {queued.job["push_id"]: queued for queued in queued_jobs_with_eta()}
         assert {job.push_id for job in jobs} == set(retries)
         assert all(queued.job["attempt"] == 2 for queued in retries.values())
-        # The breaker's time left (60 s) is the deferred send's Retry-After.
+        # The breaker's time left (60 s), spread over one more, is the send's Retry-After.
         stalled = retries[jobs[3].push_id].eta - timezone.now()
-        assert stalled.total_seconds() >= 59
+        assert 59 <= stalled.total_seconds() <= 300
         last = make_job(registration, attempt=settings.RELAY["SEND_MAX_ATTEMPTS"])
         assert delivery.deliver(last) == Outcome.FAILED
     letter = DeadLetter.objects.get(push_id=last.push_id)
@@ -576,7 +576,7 @@ def test_a_stalled_provider_opens_its_breaker_and_a_probe_closes_it(fresh_limits
             Outcome.RETRY_LATER,
             limits.PROVIDER_STALLED,
         )
-        assert 0 < deferred.retry_after <= 0.3
+        assert 0 < deferred.retry_after <= 0.6  # the time left, spread over a cool-down
         assert provider.sends == 3
         time.sleep(0.35)
         # Half open: one probe of a batch goes out; it stalls again, so the breaker reopens.

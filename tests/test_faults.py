@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -61,8 +62,9 @@ FAULT_AFTER = 2.0
 BURST = 120
 WORKERS = 2
 WORKER_THREADS = 4
-# A killed worker's unacknowledged sends come back after this (see test_worker_sigkill).
-VISIBILITY_TIMEOUT = 20
+# Production's: a killed worker's sends come back once its lease expires, not after this.
+VISIBILITY_TIMEOUT = 3600
+KILLS = 3
 DRAIN_TIMEOUT = 90.0
 
 
@@ -497,3 +499,118 @@ def test_redis_restart_loses_no_push(lab: Lab) -> None:
     for worker, offset in zip(lab.workers, offsets, strict=True):
         assert worker.alive(), worker.log_text()[-3000:]
         assert worker_delivered_after(worker, offset) > 0, f"{worker.name} never recovered"
+
+
+def test_worker_sigkill_loses_no_push(lab: Lab) -> None:
+    """SIGKILL a worker (the OOM killer, a lost host) while it sends, KILLS times, starting a
+    new one each time as a supervisor would. What the dead worker held (in flight, prefetched,
+    being handed over) comes back once its lease expires, delivered by the others."""
+    more = 40  # publishes at once before each later kill
+    tenant = lab.add_tenant("kill", PUBLISHES + BURST + (KILLS - 1) * more)
+    tenant.fcm.respond(None, 200, delay=0.2)  # sends in flight when the worker dies
+    lab.start()
+
+    def kill_workers() -> float:
+        first = time.time()
+        for n in range(KILLS):
+            if n:
+                time.sleep(1.5)
+                tenant.publish_stream(more, None, start=PUBLISHES + BURST + (n - 1) * more)
+                time.sleep(0.3)
+            victim = lab.workers[n]  # each kill starts a new one at the end of the list
+            victim.process.send_signal(signal.SIGKILL)
+            victim.process.wait()
+            lab.start_worker()
+        return first
+
+    back_at = run_stream_with_fault(lab, tenant, kill_workers)
+    result = report(lab, tenant, f"worker SIGKILL x{KILLS}", back_at)
+    expired = lease_expiries(lab)
+    print(f"leases expired: {expired}")
+    check(result, lab)
+    assert sum(not worker.alive() for worker in lab.workers) == KILLS
+    # The dead workers held sends, and the others gave them back.
+    assert sum(held for _, held in expired) > 0
+
+
+def lease_expiries(lab: Lab) -> list[tuple[int, int]]:
+    """(in transit, unacknowledged) of every dead worker's lease the others expired."""
+    found = []
+    for worker in lab.workers:
+        for line in worker.log_text().splitlines():
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if entry.get("event") == "broker.lease_expired":
+                    found.append((entry["in_transit"], entry["unacknowledged"]))
+    return found
+
+
+def latencies(tenant: Tenant) -> list[float]:
+    """Seconds from each accepted publish to its first send at the fake."""
+    delivered = tenant.delivered()
+    return sorted(
+        min(when for _, when in delivered[t]) - sent
+        for t, sent in tenant.accepted().items()
+        if t in delivered
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("inf")
+
+
+def test_a_stuck_provider_does_not_delay_another_tenant(lab: Lab) -> None:
+    """Tenant A's FCM accepts connections and never answers; tenant B's pushes, published at
+    the same time on the same workers, keep flowing at the offered rate with low latency.
+    A's pushes end as dead letters that say why; none is lost."""
+    count = int(RATE * 8)
+    stuck = lab.add_tenant("stuck", count)
+    healthy = lab.add_tenant("healthy", count)
+    stuck.fcm.respond(None, 200, delay=3600)  # never answers
+    # Production's backoff (a deferral waits for the breaker), a short age limit so that A's
+    # pushes become dead letters within the test.
+    lab.start(RELAY_SEND_RETRY_MAX_SECONDS="300", RELAY_SEND_MAX_AGE_SECONDS="20")
+    streams = [
+        threading.Thread(target=tenant.publish_stream, args=(count, RATE))
+        for tenant in (stuck, healthy)
+    ]
+    started = time.time()
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        stream.join()
+    offered_for = time.time() - started
+    with contextlib.suppress(TimeoutError):
+        wait_until(lab.settled, timeout=DRAIN_TIMEOUT, interval=1.0)
+
+    a = report(lab, stuck, "stuck provider, tenant A (never answers)", started)
+    b = report(lab, healthy, "stuck provider, tenant B (healthy)", started)
+    waits = latencies(healthy)
+    sends = sorted(min(when for _, when in sends) for sends in healthy.delivered().values())
+    rate = (len(sends) - 1) / (sends[-1] - sends[0]) if len(sends) > 1 else 0.0
+    print(a.line())
+    print(b.line())
+    print(
+        f"tenant B: offered {count / offered_for:.1f}/s, delivered {rate:.1f}/s; publish -> FCM "
+        f"p50 {percentile(waits, 0.5):.3f} s, p99 {percentile(waits, 0.99):.3f} s, "
+        f"max {percentile(waits, 1.0):.3f} s"
+    )
+    delivered_b = healthy.delivered()
+    worst: dict[int, float] = {}
+    for t, sent in healthy.accepted().items():
+        if t in delivered_b:
+            second = int(sent - started)
+            waited = min(when for _, when in delivered_b[t]) - sent
+            worst[second] = max(worst.get(second, 0.0), waited)
+    print("tenant B, worst publish -> FCM by second:", {k: round(v, 2) for k, v in worst.items()})
+    for result in (a, b):
+        assert result.lost == 0, f"{result.line()}\n{lab.close()}"
+        assert result.without_delivery_row == 0, result.line()
+    assert b.answered_result == count and b.delivered == count, b.line()
+    # B never waited for A's stuck sends (they are held up to the provider timeout, 5 s).
+    assert percentile(waits, 0.99) < 3.0, b.line()
+    assert rate > 0.8 * RATE, f"tenant B delivered {rate:.1f}/s of {RATE}/s offered"
+    # The breaker kept A's pushes away from its provider; each one is a dead letter saying why.
+    assert len(stuck.fcm.requests) < count / 4
+    assert sum(a.dead_letters.values()) == a.answered_result, a.line()
+    assert any("PROVIDER_STALLED" in reason for reason in a.dead_letters), a.line()

@@ -9,8 +9,10 @@ none of them makes a send wait for another app:
 - threads: at most RELAY["MAX_THREADS_PER_APP"] worker threads send to one app at once (0,
   the default: three quarters of the worker's threads, so that a quarter, at least one, is
   always left to the other apps). A send beyond that is deferred at once (RETRY_LATER,
-  APP_IN_FLIGHT_CAP) and the delivery engine tries it again shortly, without counting an
-  attempt: the provider never saw it.
+  APP_IN_FLIGHT_CAP) without counting an attempt (the provider never saw it): shortly if
+  the app is merely busy, and if its sends are slow (the oldest in flight for over
+  SLOW_SECONDS) until that one has timed out, spread over one more timeout, so that a stuck
+  app's pushes wait for the breaker's verdict instead of spinning through the broker.
 - sends: at most RELAY["MAX_IN_FLIGHT_PER_PROVIDER"] wake-ups in flight per app's provider (a
   batch takes up to BATCH_SLOTS at a time, Sygnal's ConcurrencyLimitedPushkin). A batch waits
   up to RELAY["IN_FLIGHT_WAIT_SECONDS"] for a slot: only the app's own, bounded, threads
@@ -18,8 +20,9 @@ none of them makes a send wait for another app:
 - breaker: RELAY["BREAKER_STALLS"] stalls in a row (timeouts, network errors: the provider did
   not answer) open the breaker of that app's provider and credentials. For
   RELAY["BREAKER_SECONDS"] its sends are deferred at once (PROVIDER_STALLED, with the time
-  left as Retry-After) without touching the provider or holding a thread; then one probe
-  goes through, and an answer (any answer: a provider that says no is not stuck) closes it.
+  left plus up to one more cool-down as Retry-After, so that they come back spread out) without
+  touching the provider or holding a thread; then one probe goes through, and an answer (any
+  answer: a provider that says no is not stuck) closes it.
 
 All of it is per process (the threads pool, as the Procfile runs workers): each worker
 learns of a stuck provider by itself, after at most BREAKER_STALLS sends.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Hashable
@@ -48,6 +52,8 @@ PROVIDER_STALLED = "PROVIDER_STALLED"
 BATCH_SLOTS = 16
 # Results that mean "the provider did not answer": what a stuck provider produces.
 STALL_CODES = frozenset({"TIMEOUT", "NETWORK", "OAUTH_NETWORK", "AUTH_TIMEOUT", "AUTH_NETWORK"})
+# An app whose oldest send in flight is this old (seconds) is slow, not merely busy.
+SLOW_SECONDS = 0.5
 # Deferred for lack of a thread or slot of the app: the provider never saw these.
 BUSY_CODES = frozenset({IN_FLIGHT_CAP, APP_IN_FLIGHT_CAP})
 # Results that say nothing about the provider (the send never reached it).
@@ -74,7 +80,7 @@ class _Breaker:
 _lock = threading.Lock()
 _slots: dict[Hashable, threading.BoundedSemaphore] = {}
 _in_flight: dict[Hashable, int] = {}
-_threads: dict[int, int] = {}
+_threads: dict[int, dict[object, float]] = {}  # app -> {slot token: when taken}
 _breakers: dict[Target, _Breaker] = {}
 _worker_threads = 0
 
@@ -117,12 +123,13 @@ def send_group(provider: PushProvider, wakeups: list[Wakeup], target: Target) ->
     admitted, probe, retry_after = _admit(target)
     if not admitted:
         return [SendResult(Outcome.RETRY_LATER, PROVIDER_STALLED, retry_after)] * len(wakeups)
-    if not _take_thread(target.app):
+    token, wait = _take_thread(target.app)
+    if token is None:
         if probe:
             with _lock:
                 _breakers[target].probing = False
         log.info("delivery.app_busy", extra={"app": target.app, "provider": target.service})
-        return [SendResult(Outcome.RETRY_LATER, APP_IN_FLIGHT_CAP)] * len(wakeups)
+        return [SendResult(Outcome.RETRY_LATER, APP_IN_FLIGHT_CAP, wait)] * len(wakeups)
     try:
         if probe:
             # One wake-up finds out whether the provider answers again; the rest wait for it.
@@ -134,17 +141,26 @@ def send_group(provider: PushProvider, wakeups: list[Wakeup], target: Target) ->
         return results
     finally:
         with _lock:
-            _threads[target.app] -= 1
+            del _threads[target.app][token]
 
 
-def _take_thread(app: int) -> bool:
+def _take_thread(app: int) -> tuple[object | None, float | None]:
+    """A thread slot of `app` (a token to give back), or None and, when the app's sends are
+    slow (the oldest in flight for over SLOW_SECONDS), the seconds until that one times out:
+    a stuck app's pushes then wait for the breaker's verdict instead of spinning."""
     cap = max_threads_per_app()
+    now = time.monotonic()
     with _lock:
-        held = _threads.get(app, 0)
-        if cap and held >= cap:
-            return False
-        _threads[app] = held + 1
-        return True
+        held = _threads.setdefault(app, {})
+        if not cap or len(held) < cap:
+            token = object()
+            held[token] = now
+            return token, None
+        oldest = now - min(held.values())
+    if oldest < SLOW_SECONDS:
+        return None, None
+    timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
+    return None, max(SLOW_SECONDS, timeout - oldest) + random.uniform(0, timeout)
 
 
 def _admit(target: Target) -> tuple[bool, bool, float | None]:
@@ -155,7 +171,10 @@ def _admit(target: Target) -> tuple[bool, bool, float | None]:
         if not breaker.open_until:
             return True, False, None
         if breaker.open_until > now:
-            return False, False, breaker.open_until - now
+            # Spread over the next cool-down: a stuck app's deferred pushes come back as a
+            # steady trickle, not all at once when the breaker half-opens.
+            cool_down = float(settings.RELAY["BREAKER_SECONDS"])
+            return False, False, breaker.open_until - now + random.uniform(0, cool_down)
         if breaker.probing:
             return False, False, None
         breaker.probing = True

@@ -180,12 +180,15 @@ def _claim_folded(registration: Registration, job: queue.SendJob) -> queue.SendJ
     )
 
 
+def _retry_cap() -> float:
+    return float(settings.RELAY["SEND_RETRY_MAX_SECONDS"])
+
+
 def busy_delay(age: float) -> float:
     """Seconds before a send deferred because its app's threads or slots were all busy is
     tried again: short at first (a healthy app that was merely busy), longer the longer the
     push has waited (a stuck app's pushes must not spin through the broker)."""
-    cap = float(settings.RELAY["SEND_RETRY_MAX_SECONDS"])
-    return random.uniform(0.5, 1.0) * min(cap, max(0.2, age / 2))
+    return random.uniform(0.5, 1.0) * min(_retry_cap(), max(0.2, age / 2))
 
 
 def _retry(job: queue.SendJob, result: SendResult, now: datetime) -> str:
@@ -198,7 +201,7 @@ def _retry(job: queue.SendJob, result: SendResult, now: datetime) -> str:
     age = _age_seconds(job, now)
     attempt = job.attempt
     if code in limits.BUSY_CODES:
-        delay = busy_delay(age)
+        delay = max(busy_delay(age), min(result.retry_after or 0.0, _retry_cap()))
     elif job.attempt >= int(settings.RELAY["SEND_MAX_ATTEMPTS"]):
         return f"retries exhausted: {code}"
     else:
