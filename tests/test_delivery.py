@@ -313,7 +313,9 @@ def test_a_send_deferred_for_a_busy_app_keeps_its_attempt(component, fakes):
     [queued] = queued_jobs_with_eta()
     assert queued.job["push_id"] == job.push_id
     assert queued.job["attempt"] == settings.RELAY["SEND_MAX_ATTEMPTS"]
-    assert (queued.eta - timezone.now()).total_seconds() <= 1.0
+    # Back once the stuck send has timed out, not after an attempt's backoff.
+    timeout = settings.RELAY["PROVIDER_TIMEOUT_SECONDS"]
+    assert (queued.eta - timezone.now()).total_seconds() <= 2 * timeout
     assert wire_requests(Service.FCM, fakes, registration) == []
 
 
@@ -538,28 +540,52 @@ def test_sends_beyond_an_apps_slots_wait_then_retry_later(fresh_limits):
     assert limits.in_flight(APP_1) == 0
 
 
-def test_an_app_holding_its_threads_is_deferred_at_once_and_others_go_on(fresh_limits):
-    """A stuck app holds at most MAX_THREADS_PER_APP threads: its next send is deferred without
-    waiting (the thread goes back to the pool), another app's send goes through."""
+def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits):
+    """A stuck app holds at most MAX_THREADS_PER_APP threads: its next send is deferred after
+    a moment (the thread goes back to the pool), and once the stuck send is SLOW_SECONDS old
+    it is told to come back when that send has timed out; another app's send goes at once."""
     limits.set_worker_threads(4)
     assert limits.max_threads_per_app() == 3  # a quarter stays free for the other apps
     stuck = BlockingProvider()
     results: list[SendResult] = []
-    with relay_settings(MAX_THREADS_PER_APP=1):
+    with relay_settings(MAX_THREADS_PER_APP=1, PROVIDER_TIMEOUT_SECONDS=5.0):
         try:
             holder = hold(stuck, APP_1, results)
-            started = time.monotonic()
-            deferred = limits.send_group(stuck, [WAKEUP, WAKEUP], APP_1)
-            waited = time.monotonic() - started
             healthy = BlockingProvider()
             healthy.release.set()
             assert limits.send_group(healthy, [WAKEUP], APP_2) == [SendResult.delivered()]
+            started = time.monotonic()
+            busy = limits.send_group(stuck, [WAKEUP, WAKEUP], APP_1)
+            waited = time.monotonic() - started
+            time.sleep(limits.SLOW_SECONDS)
+            slow = limits.send_group(stuck, [WAKEUP], APP_1)
         finally:
             stuck.release.set()
         holder.join(10)
-    assert deferred == [SendResult(Outcome.RETRY_LATER, limits.APP_IN_FLIGHT_CAP)] * 2
-    assert waited < 1.0
+    assert busy == [SendResult(Outcome.RETRY_LATER, limits.APP_IN_FLIGHT_CAP)] * 2
+    assert waited < limits.SLOW_SECONDS
+    [deferred] = slow
+    assert (deferred.outcome, deferred.error_code) == (
+        Outcome.RETRY_LATER,
+        limits.APP_IN_FLIGHT_CAP,
+    )
+    # Until the stuck send has timed out (5 s after it started), spread over one more.
+    assert 4.0 <= deferred.retry_after <= 10.0
     assert stuck.sends == 1
+
+
+def test_a_busy_app_with_quick_sends_waits_for_a_thread(fresh_limits, monkeypatch):
+    """Every slot taken by sends that end quickly: the next one waits for a slot instead of
+    going back through the broker."""
+    monkeypatch.setattr(limits, "SLOT_WAIT_SECONDS", 5.0)  # room for a loaded test machine
+    quick = BlockingProvider()
+    results: list[SendResult] = []
+    with relay_settings(MAX_THREADS_PER_APP=1):
+        holder = hold(quick, APP_1, results)
+        threading.Timer(0.1, quick.release.set).start()
+        assert limits.send_group(quick, [WAKEUP], APP_1) == [SendResult.delivered()]
+        holder.join(10)
+    assert results == [SendResult.delivered()] and quick.sends == 2
 
 
 def test_a_stalled_provider_opens_its_breaker_and_a_probe_closes_it(fresh_limits):

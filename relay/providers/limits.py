@@ -8,11 +8,11 @@ none of them makes a send wait for another app:
 
 - threads: at most RELAY["MAX_THREADS_PER_APP"] worker threads send to one app at once (0,
   the default: three quarters of the worker's threads, so that a quarter, at least one, is
-  always left to the other apps). A send beyond that is deferred at once (RETRY_LATER,
-  APP_IN_FLIGHT_CAP) without counting an attempt (the provider never saw it): shortly if
-  the app is merely busy, and if its sends are slow (the oldest in flight for over
-  SLOW_SECONDS) until that one has timed out, spread over one more timeout, so that a stuck
-  app's pushes wait for the breaker's verdict instead of spinning through the broker.
+  always left to the other apps). A send beyond that waits a moment (SLOT_WAIT_SECONDS) for
+  a slot, then is deferred (RETRY_LATER, APP_IN_FLIGHT_CAP): the provider never saw it, so no
+  attempt is counted. It comes back shortly if the app was merely busy; if its sends are slow
+  (the oldest in flight for SLOW_SECONDS), once that send has timed out (spread over one more
+  timeout), for the breaker's verdict, instead of spinning through the broker.
 - sends: at most RELAY["MAX_IN_FLIGHT_PER_PROVIDER"] wake-ups in flight per app's provider (a
   batch takes up to BATCH_SLOTS at a time, Sygnal's ConcurrencyLimitedPushkin). A batch waits
   up to RELAY["IN_FLIGHT_WAIT_SECONDS"] for a slot: only the app's own, bounded, threads
@@ -54,6 +54,9 @@ BATCH_SLOTS = 16
 STALL_CODES = frozenset({"TIMEOUT", "NETWORK", "OAUTH_NETWORK", "AUTH_TIMEOUT", "AUTH_NETWORK"})
 # An app whose oldest send in flight is this old (seconds) is slow, not merely busy.
 SLOW_SECONDS = 0.5
+# How long a send waits for a thread of its busy (not slow) app before it is deferred: long
+# enough for a quick send to end, short enough that a provider turning stuck costs little.
+SLOT_WAIT_SECONDS = 0.05
 # Deferred for lack of a thread or slot of the app: the provider never saw these.
 BUSY_CODES = frozenset({IN_FLIGHT_CAP, APP_IN_FLIGHT_CAP})
 # Results that say nothing about the provider (the send never reached it).
@@ -78,6 +81,7 @@ class _Breaker:
 
 
 _lock = threading.Lock()
+_freed = threading.Condition(_lock)  # a thread slot was given back
 _slots: dict[Hashable, threading.BoundedSemaphore] = {}
 _in_flight: dict[Hashable, int] = {}
 _threads: dict[int, dict[object, float]] = {}  # app -> {slot token: when taken}
@@ -140,23 +144,34 @@ def send_group(provider: PushProvider, wakeups: list[Wakeup], target: Target) ->
         _learn(target, results, probe)
         return results
     finally:
-        with _lock:
+        with _freed:
             del _threads[target.app][token]
+            _freed.notify_all()
 
 
 def _take_thread(app: int) -> tuple[object | None, float | None]:
-    """A thread slot of `app` (a token to give back), or None and, when the app's sends are
-    slow (the oldest in flight for over SLOW_SECONDS), the seconds until that one times out:
-    a stuck app's pushes then wait for the breaker's verdict instead of spinning."""
+    """A thread slot of `app` (a token to give back), or None and a Retry-After.
+
+    With every slot taken, a healthy app's send waits for one (its sends end within
+    milliseconds) up to SLOT_WAIT_SECONDS, then it is deferred. A slow app's deferred pushes
+    (its oldest send in flight for SLOW_SECONDS) wait until that send has timed out, spread
+    over one more timeout: they wait for the breaker's verdict instead of spinning through
+    the broker.
+    """
     cap = max_threads_per_app()
-    now = time.monotonic()
-    with _lock:
-        held = _threads.setdefault(app, {})
-        if not cap or len(held) < cap:
-            token = object()
-            held[token] = now
-            return token, None
-        oldest = now - min(held.values())
+    deadline = time.monotonic() + SLOT_WAIT_SECONDS
+    with _freed:
+        while True:
+            held = _threads.setdefault(app, {})
+            now = time.monotonic()
+            if not cap or len(held) < cap:
+                token = object()
+                held[token] = now
+                return token, None
+            oldest = now - min(held.values())
+            if oldest >= SLOW_SECONDS or now >= deadline:
+                break
+            _freed.wait(min(deadline - now, SLOW_SECONDS - oldest))
     if oldest < SLOW_SECONDS:
         return None, None
     timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
@@ -267,8 +282,9 @@ def reset() -> None:
 
 def _reset_after_fork() -> None:
     """A forked worker child starts with free slots (the parent's holders do not exist)."""
-    global _lock
+    global _lock, _freed
     _lock = threading.Lock()
+    _freed = threading.Condition(_lock)
     _slots.clear()
     _in_flight.clear()
     _threads.clear()

@@ -36,12 +36,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
@@ -122,41 +120,33 @@ def _send_group(group: list[tuple[Registration, queue.SendJob]]) -> list[SendRes
         return [SendResult(Outcome.RETRY_LATER, error_code="INTERNAL")] * len(group)
 
 
-# The groups of a batch (one per app and service) go out side by side, so that one app's slow
-# provider does not hold another app's wake-ups back: the first group in the task's thread,
-# the others on this pool.
-GROUP_THREADS = 16
-_group_pool_lock = threading.Lock()
-_group_pool: ThreadPoolExecutor | None = None
-
-
-def _groups_pool() -> ThreadPoolExecutor:
-    global _group_pool
-    with _group_pool_lock:
-        if _group_pool is None:
-            _group_pool = ThreadPoolExecutor(
-                max_workers=GROUP_THREADS, thread_name_prefix="send-group"
-            )
-        return _group_pool
-
-
-def _forget_group_pool_after_fork() -> None:
-    global _group_pool, _group_pool_lock
-    _group_pool_lock = threading.Lock()
-    _group_pool = None
-
-
-os.register_at_fork(after_in_child=_forget_group_pool_after_fork)
-
-
 def _send_groups(
     groups: list[list[tuple[Registration, queue.SendJob]]],
 ) -> list[list[SendResult]]:
-    if len(groups) < 2:
-        return [_send_group(group) for group in groups]
-    others = [_groups_pool().submit(_send_group, group) for group in groups[1:]]
-    first = _send_group(groups[0])
-    return [first, *(future.result() for future in others)]
+    """The groups of a batch (one per app and service) go out side by side, the first in this
+    thread and each other one in a thread of its own: one app's stuck provider must not hold
+    another app's wake-ups back, neither in this batch nor, through a shared pool, in others.
+    """
+    results: list[list[SendResult]] = [[] for _ in groups]
+
+    def send(index: int) -> None:
+        try:
+            results[index] = _send_group(groups[index])
+        except Exception as error:  # never lose a group's results to a crash: retry them
+            log.exception("delivery.group_crashed", extra={"error_type": type(error).__name__})
+            results[index] = [SendResult(Outcome.RETRY_LATER, "INTERNAL")] * len(groups[index])
+
+    others = [
+        threading.Thread(target=send, args=(index,), name="send-group", daemon=True)
+        for index in range(1, len(groups))
+    ]
+    for thread in others:
+        thread.start()
+    if groups:
+        send(0)
+    for thread in others:
+        thread.join()
+    return results
 
 
 def _claim_folded(registration: Registration, job: queue.SendJob) -> queue.SendJob:
