@@ -135,6 +135,7 @@ class Channel(kombu_redis.Channel):
             return
         if not self.owner:
             self.owner = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:12]}"
+            _warn_if_not_durable(self)
         self.renew_lease(client)
 
     def renew_lease(self, client: Any = None) -> None:
@@ -231,6 +232,26 @@ class Channel(kombu_redis.Channel):
                 with self.conn_or_acquire() as client:
                     client.lrem(moved[0], 1, moved[1])
         return message
+
+
+_durability_checked = False
+
+
+def _warn_if_not_durable(channel: Channel) -> None:
+    """Once per process: a Redis that keeps nothing on disk loses every queued send when it
+    restarts, and those were answered `result` (docs/faults.md: run it with appendonly)."""
+    global _durability_checked
+    if _durability_checked:
+        return
+    _durability_checked = True
+    try:
+        with channel.conn_or_acquire() as client:
+            found = client.config_get("appendonly")
+        appendonly = {bytes_to_str(k): bytes_to_str(v) for k, v in found.items()}.get("appendonly")
+    except Exception:  # CONFIG may be disabled (managed Redis): nothing to say then
+        return
+    if appendonly == "no":
+        log.warning("broker.not_durable", extra={"appendonly": appendonly})
 
 
 def _give_back_transit(channel: Channel, client: Any, owner: str) -> int:
