@@ -442,14 +442,21 @@ def _dead_letter(registration: Registration, job: queue.SendJob, reason: str) ->
         extra={"push_id": job.push_id, "provider": registration.service, "reason": reason},
     )
     return {
+        **_whose(registration, job),
+        "reason": reason[:64],
+        "attempts": job.attempt,
+        "job": job.to_message(),
+    }
+
+
+def _whose(registration: Registration, job: queue.SendJob) -> dict[str, Any]:
+    """The fields a Delivery row and a dead letter share: which push, whose, through what."""
+    return {
         "push_id": job.push_id,
         "tenant_id": registration.app.tenant_id,
         "app_id": registration.app_id,
         "registration_id": registration.pk,
         "provider": registration.service,
-        "reason": reason[:64],
-        "attempts": job.attempt,
-        "job": job.to_message(),
     }
 
 
@@ -458,11 +465,7 @@ def _row(
 ) -> dict[str, Any]:
     """A Delivery row's fields, JSON-able (times as ISO text, which the fields parse)."""
     return {
-        "push_id": job.push_id,
-        "tenant_id": registration.app.tenant_id,
-        "app_id": registration.app_id,
-        "registration_id": registration.pk,
-        "provider": registration.service,
+        **_whose(registration, job),
         "publishing_domain": job.publishing_domain,
         "priority": Priority.HIGH if job.important else Priority.NORMAL,
         "received": job.received,
