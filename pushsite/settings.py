@@ -379,7 +379,11 @@ LOGGING = {
     "loggers": {
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
-        "celery": {"level": "INFO"},
+        "celery": {"level": LOG_LEVEL},
+        # Workers log through these handlers (CELERY_WORKER_HIJACK_ROOT_LOGGER off): Celery's
+        # per-task lines would carry every job's arguments; delivery.done says what matters.
+        "celery.worker.strategy": {"level": "WARNING"},
+        "celery.app.trace": {"level": "WARNING"},
         # httpx logs whole request URLs at INFO: a WNS channel URI is a device address.
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},
