@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(WITH_SERVICES) $(BIN)/python bench/providers.py
 	$(WITH_SERVICES) $(BIN)/python bench/api.py
 	$(WITH_SERVICES) $(BIN)/python bench/hostile.py
+	$(WITH_SERVICES) $(BIN)/python bench/broker_window.py
 
 clean:
 	rm -rf $(VENV) var

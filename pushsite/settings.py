@@ -252,6 +252,8 @@ CELERY_TASK_IGNORE_RESULT = True
 # database connection per send cost a fifth of the worker's time. CONN_MAX_AGE still applies.
 CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 1000)
 CELERY_RESULT_BACKEND = None
+# Workers log through LOGGING (JSON lines) like every other process, not Celery's own format.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # A send is acknowledged only after it is done: a killed worker loses nothing.
@@ -260,12 +262,20 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = env_int("CELERY_WORKER_PREFETCH_MULTIPLIER", 4)
 CELERY_BROKER_CONNECTION_TIMEOUT = env_float("CELERY_BROKER_CONNECTION_TIMEOUT", 2.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A worker that lost the broker reconnects for as long as it takes (Celery's default gives up
+# after 100 attempts, about 45 minutes, and the worker exits).
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
 if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # An unacknowledged send comes back after this many seconds; it must exceed the
         # longest retry delay, since delayed sends wait unacknowledged in a worker.
         "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600),
+        # A worker renews its lease every few seconds; once it has not for this long (it was
+        # killed, or lost the broker), any worker gives back the sends it held
+        # (relay/redis_broker.py): a dead worker's sends return after this, not after the
+        # visibility timeout.
+        "lease_seconds": env_float("CELERY_WORKER_LEASE_SECONDS", 15.0),
         "socket_connect_timeout": 2,
         "socket_timeout": 5,
     }
@@ -307,8 +317,9 @@ RELAY = {
     "SEND_RETRY_MAX_SECONDS": env_float("RELAY_SEND_RETRY_MAX_SECONDS", 300.0),
     # A wake-up older than this is useless: give up instead of retrying.
     "SEND_MAX_AGE_SECONDS": env_float("RELAY_SEND_MAX_AGE_SECONDS", 3600.0),
-    # HTTP timeout towards the push providers (seconds).
-    "PROVIDER_TIMEOUT_SECONDS": env_float("RELAY_PROVIDER_TIMEOUT_SECONDS", 10.0),
+    # HTTP timeout towards the push providers (seconds): a provider that accepts connections
+    # and never answers holds a worker thread this long (docs/faults.md).
+    "PROVIDER_TIMEOUT_SECONDS": env_float("RELAY_PROVIDER_TIMEOUT_SECONDS", 5.0),
     # Delivery engine (relay/services/delivery.py, throttling.py, providers/limits.py).
     # A quota error (FCM QUOTA_EXCEEDED, HTTP 429) without Retry-After waits at least this.
     "SEND_QUOTA_MIN_SECONDS": env_float("RELAY_SEND_QUOTA_MIN_SECONDS", 60.0),
@@ -318,11 +329,24 @@ RELAY = {
     # Per-tenant token bucket for publishes, unless the tenant sets its own (0: no limit).
     "TENANT_RATE_PER_SECOND": env_float("RELAY_TENANT_RATE_PER_SECOND", 500.0),
     "TENANT_RATE_BURST": env_int("RELAY_TENANT_RATE_BURST", 5000),
-    # Sends in flight per provider in one worker process; excess waits, then retries later.
+    # Sends in flight per app's provider in one worker process; excess waits, then retries
+    # later (relay/providers/limits.py).
     "MAX_IN_FLIGHT_PER_PROVIDER": env_int("RELAY_MAX_IN_FLIGHT_PER_PROVIDER", 100),
-    # A send a worker already holds waits this long for a slot before it goes back to the
-    # broker as retry-later: bouncing at once delayed a tenth of the pushes under load.
-    "IN_FLIGHT_WAIT_SECONDS": env_float("RELAY_IN_FLIGHT_WAIT_SECONDS", 30.0),
+    # A send a worker already holds waits this long for one of its app's slots before it goes
+    # back to the broker as retry-later: bouncing at once delayed a tenth of the pushes under
+    # load. Only the app's own threads wait (MAX_THREADS_PER_APP bounds them).
+    "IN_FLIGHT_WAIT_SECONDS": env_float("RELAY_IN_FLIGHT_WAIT_SECONDS", 5.0),
+    # Bulkheads between tenants: worker threads that may send to one app at once, per worker
+    # process; beyond it a send is deferred and tried again shortly. 0: three quarters of the
+    # worker's threads (a quarter, at least one, stays free for the other apps).
+    "MAX_THREADS_PER_APP": env_int("RELAY_MAX_THREADS_PER_APP", 0),
+    # Circuit breaker per app's provider: this many stalls in a row (timeouts, network errors)
+    # defer its sends for BREAKER_SECONDS without holding threads, then one probe is sent.
+    "BREAKER_STALLS": env_int("RELAY_BREAKER_STALLS", 3),
+    "BREAKER_SECONDS": env_float("RELAY_BREAKER_SECONDS", 30.0),
+    # A worker retries a database operation on new connections this long (a restart, a
+    # failover) before it hands the message back to the broker (docs/faults.md).
+    "DATABASE_RETRY_SECONDS": env_float("RELAY_DATABASE_RETRY_SECONDS", 10.0),
     # Where coalescing windows and token buckets live, shared by gateways and workers:
     # redis://... (needed when they run on several hosts), or sqlite:///path (one host).
     "STATE_URL": os.environ.get("RELAY_STATE_URL")
@@ -442,7 +466,11 @@ LOGGING = {
     "loggers": {
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
-        "celery": {"level": "INFO"},
+        "celery": {"level": LOG_LEVEL},
+        # Workers log through these handlers (CELERY_WORKER_HIJACK_ROOT_LOGGER off): Celery's
+        # per-task lines would carry every job's arguments; delivery.done says what matters.
+        "celery.worker.strategy": {"level": "WARNING"},
+        "celery.app.trace": {"level": "WARNING"},
         # httpx logs whole request URLs at INFO: a WNS channel URI is a device address.
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},

@@ -1,35 +1,110 @@
-"""Celery entry points: parse the message, call the delivery service.
+"""Celery entry points: parse the message, call the delivery service, keep the message safe.
 
 A send is acknowledged only after `deliver` returned (acks_late): a worker killed mid-send
-leaves the message unacknowledged, and the broker hands it to another worker (Redis: after
-CELERY_VISIBILITY_TIMEOUT). The redelivered job keeps its push id, so it is told apart from a
-new push and its Delivery row is updated, not doubled. The same holds for a batch message
-(relay.send_pushes): it comes back whole, and every push in it keeps its id.
+leaves the message unacknowledged, and the broker hands it to another worker (Redis: once
+the dead worker's lease expires, relay/redis_broker.py). The redelivered job keeps its push
+id, so it is told apart from a new push and its Delivery row is updated, not doubled. The same
+holds for a batch message (relay.send_pushes): it comes back whole, and every push in it
+keeps its id.
+
+A message is never acknowledged while what it carries exists nowhere else:
+
+- the database does not answer before the sends (DatabaseUnavailable): the message goes back
+  to the broker as a Celery retry with backoff, as often as it takes (the age limit turns a
+  push that waited too long into a dead letter once the database is back);
+- the database does not answer after the sends (RecordPending): their bookkeeping goes to the
+  broker as a relay.record_outcomes message, retried the same way;
+- the broker does not take either: the message is rejected with requeue, and if the broker
+  is away for that too, it stays unacknowledged in the broker, where the dead lease is found.
+
+Celery's own retry turns a failed publish into a reject WITHOUT requeue; `_defer` catches that.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, NoReturn
 
-from celery import shared_task
-from celery.signals import worker_process_shutdown, worker_shutdown
+from celery import Task, shared_task
+from celery.exceptions import Reject
+from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 
-from relay.providers import registry
+from relay.models import Outcome
+from relay.providers import limits, registry
 from relay.services import delivery
 from relay.services.queue import SendJob
 
+log = logging.getLogger(__name__)
 
-@shared_task(name="relay.send_push", acks_late=True, reject_on_worker_lost=True)
-def send_push(message: dict[str, Any]) -> str:
-    return delivery.deliver(SendJob.from_message(message)).value
+SEND_TASK_OPTIONS: dict[str, Any] = {
+    "bind": True,
+    "acks_late": True,
+    "reject_on_worker_lost": True,
+    "max_retries": None,  # database trouble is retried until it ends (see `_defer`)
+}
 
 
-@shared_task(name="relay.send_pushes", acks_late=True, reject_on_worker_lost=True)
-def send_pushes(messages: list[dict[str, Any]]) -> int:
+@shared_task(name="relay.send_push", **SEND_TASK_OPTIONS)
+def send_push(self: Task, message: dict[str, Any]) -> str:
+    return _deliver(self, [message])[0].value
+
+
+@shared_task(name="relay.send_pushes", **SEND_TASK_OPTIONS)
+def send_pushes(self: Task, messages: list[dict[str, Any]]) -> int:
     """A batch the gateway queued as one message: acknowledged once every job in it is done
     (sent, retried individually, or dead-lettered), so a killed worker redelivers all of it."""
-    outcomes = delivery.deliver_many([SendJob.from_message(message) for message in messages])
-    return len(outcomes)
+    return len(_deliver(self, messages))
+
+
+@shared_task(name="relay.record_outcomes", **SEND_TASK_OPTIONS)
+def record_outcomes(self: Task, bookkeeping: dict[str, Any]) -> int:
+    """What a batch's sends taught, kept in the broker while the database was away."""
+    book = delivery.Bookkeeping.from_message(bookkeeping)
+    try:
+        delivery.record(book)
+    except delivery.DatabaseUnavailable:
+        _defer(self)
+    return len(book.deliveries)
+
+
+def _deliver(task: Task, messages: list[dict[str, Any]]) -> list[Outcome]:
+    try:
+        return delivery.deliver_many([SendJob.from_message(message) for message in messages])
+    except delivery.DatabaseUnavailable:
+        _defer(task)
+    except delivery.RecordPending as pending:
+        try:
+            record_outcomes.apply_async(args=[pending.bookkeeping.to_message()])
+        except Exception as error:  # kombu, redis and socket errors: not queued
+            # Keep the batch: sent again later with the same push ids (at-least-once).
+            log.warning("delivery.record_not_queued", extra={"error_type": type(error).__name__})
+            raise Reject(error, requeue=True) from error
+        log.warning("delivery.record_queued", extra={"deliveries": len(pending.outcomes)})
+        return pending.outcomes
+
+
+def _defer(task: Task) -> NoReturn:
+    """Hand the message back to the broker, to be tried again after a backoff."""
+    countdown = delivery.database_retry_delay(task.request.retries)
+    log.warning(
+        "delivery.deferred",
+        extra={"task": task.name, "retries": task.request.retries, "delay": round(countdown, 3)},
+    )
+    try:
+        task.retry(countdown=countdown, max_retries=None)
+    except Reject as refused:
+        # Celery could not publish the retry and would drop the message: requeue it instead
+        # (or, with the broker away, leave it unacknowledged there).
+        raise Reject(refused.reason, requeue=True) from refused
+    raise AssertionError("Task.retry returns only by raising")  # pragma: no cover
+
+
+@worker_init.connect(weak=False)
+def _note_worker_threads(sender: Any = None, **_: object) -> None:
+    """The per-app thread limit follows the worker's thread count unless configured."""
+    concurrency = getattr(sender, "concurrency", 0)
+    if isinstance(concurrency, int):
+        limits.set_worker_threads(concurrency)
 
 
 def _close_providers(**_: object) -> None:

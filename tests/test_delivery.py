@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -68,9 +69,11 @@ def fakes(fcm, apns_fake, wns, component, send_queue):
     configure_wns(app, wns)
     app.save()
     throttling.reset()
+    limits.reset()
     yield {"fcm": fcm, "apns": apns, "wns": wns}
     registry.close_all()
     throttling.reset()
+    limits.reset()
 
 
 _counter = iter(range(10**6))
@@ -256,6 +259,66 @@ def test_a_wake_up_that_would_arrive_too_late_is_given_up(component, fakes):
     assert DeadLetter.objects.get(push_id=job.push_id).reason == "too old: THROTTLED"
 
 
+def test_a_job_too_old_to_matter_is_given_up_before_it_is_sent(component, fakes):
+    """A wake-up that waited past the age limit (the database or a dead worker held it) is not
+    sent hours late: it becomes a dead letter, and the provider never sees it."""
+    registration = make_registration(component, Service.FCM, fakes)
+    max_age = settings.RELAY["SEND_MAX_AGE_SECONDS"]
+    received = timezone.now() - timedelta(seconds=max_age + 1)
+    job = make_job(registration, received=received.isoformat())
+    assert delivery.deliver(job) == Outcome.FAILED
+    assert wire_requests(Service.FCM, fakes, registration) == []
+    assert DeadLetter.objects.get(push_id=job.push_id).reason == "too old: not sent"
+    assert Delivery.objects.get(push_id=job.push_id).error_code == "TOO_OLD"
+
+
+def test_a_stuck_provider_is_cut_off_and_its_pushes_end_as_dead_letters(component, fakes):
+    """FCM that accepts and never answers: BREAKER_STALLS timeouts, then the app's sends are
+    deferred without reaching it (each deferral an attempt), until retries run out."""
+    fcm = fakes["fcm"]
+    registration = make_registration(component, Service.FCM, fakes)
+    fcm.respond(registration.token, 200, delay=5.0)
+    with relay_settings(PROVIDER_TIMEOUT_SECONDS=0.2, BREAKER_STALLS=3, BREAKER_SECONDS=60):
+        registry.close_all()  # the provider is built with the timeout above
+        jobs = [make_job(registration) for _ in range(4)]
+        assert [delivery.deliver(job) for job in jobs] == [Outcome.RETRY_LATER] * 4
+        assert len(fcm.requests_for(registration.token)) == 3  # the 4th never went out
+        retries = {queued.job["push_id"]: queued for queued in queued_jobs_with_eta()}
+        assert {job.push_id for job in jobs} == set(retries)
+        assert all(queued.job["attempt"] == 2 for queued in retries.values())
+        # The breaker's time left (60 s), spread over one more, is the send's Retry-After.
+        stalled = retries[jobs[3].push_id].eta - timezone.now()
+        assert 59 <= stalled.total_seconds() <= 300
+        last = make_job(registration, attempt=settings.RELAY["SEND_MAX_ATTEMPTS"])
+        assert delivery.deliver(last) == Outcome.FAILED
+    letter = DeadLetter.objects.get(push_id=last.push_id)
+    assert letter.reason == "retries exhausted: PROVIDER_STALLED"
+    assert len(fcm.requests_for(registration.token)) == 3
+
+
+def test_a_send_deferred_for_a_busy_app_keeps_its_attempt(component, fakes):
+    """Deferred for lack of a thread of its app, a send never reached the provider: it comes
+    back soon and keeps its attempt number (only the age limit ends it)."""
+    registration = make_registration(component, Service.FCM, fakes)
+    app = component.app
+    stuck = BlockingProvider()  # another thread of this worker, sending to the same app
+    with relay_settings(MAX_THREADS_PER_APP=1):
+        holder = hold(stuck, limits.Target(app.pk, Service.FCM, app.updated.isoformat()), [])
+        try:
+            job = make_job(registration, attempt=settings.RELAY["SEND_MAX_ATTEMPTS"])
+            assert delivery.deliver(job) == Outcome.RETRY_LATER
+        finally:
+            stuck.release.set()
+            holder.join(10)
+    [queued] = queued_jobs_with_eta()
+    assert queued.job["push_id"] == job.push_id
+    assert queued.job["attempt"] == settings.RELAY["SEND_MAX_ATTEMPTS"]
+    # Back once the stuck send has timed out, not after an attempt's backoff.
+    timeout = settings.RELAY["PROVIDER_TIMEOUT_SECONDS"]
+    assert (queued.eta - timezone.now()).total_seconds() <= 2 * timeout
+    assert wire_requests(Service.FCM, fakes, registration) == []
+
+
 def test_a_retry_that_cannot_be_queued_becomes_a_dead_letter(component, fakes, monkeypatch):
     registration = make_registration(component, Service.FCM, fakes)
     fakes["fcm"].respond(registration.token, 503)
@@ -410,48 +473,151 @@ def test_bad_payload_options_fail_loudly_not_silently(component, fakes):
     assert wire_requests(Service.FCM, fakes, registration) == []
 
 
-# --- the in-flight cap --------------------------------------------------------------------------
+# --- bulkheads and breakers (relay/providers/limits.py) ------------------------------------------
 
 
 class BlockingProvider:
+    """Holds every send until released; answers `answer` (delivered by default)."""
+
     service = "fcm"
 
-    def __init__(self) -> None:
+    def __init__(self, answer: SendResult | None = None) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
+        self.answer = answer or SendResult.delivered()
+        self.sends = 0
 
     def send(self, wakeup: Wakeup) -> SendResult:
+        self.sends += 1
         self.entered.set()
         self.release.wait(10)
-        return SendResult.delivered()
+        return self.answer
 
     def close(self) -> None:
         pass
 
 
-def test_sends_beyond_the_in_flight_cap_wait_then_retry_later():
+WAKEUP = Wakeup(push_id="p", token="t", account="a")
+APP_1 = limits.Target(1, "fcm")
+APP_2 = limits.Target(2, "fcm")
+
+
+@pytest.fixture
+def fresh_limits():
+    limits.reset()
+    yield limits
+    limits.set_worker_threads(0)
+    limits.reset()
+
+
+def hold(provider: BlockingProvider, target: limits.Target, results: list) -> threading.Thread:
+    """A send to `target` that stays in flight until the provider is released."""
+    holder = threading.Thread(
+        target=lambda: results.extend(limits.send_group(provider, [WAKEUP], target))
+    )
+    holder.start()
+    assert provider.entered.wait(10)
+    return holder
+
+
+def test_sends_beyond_an_apps_slots_wait_then_retry_later(fresh_limits):
     provider = BlockingProvider()
-    wakeup = Wakeup(push_id="p", token="t", account="a")
     results: list[SendResult] = []
     with relay_settings(MAX_IN_FLIGHT_PER_PROVIDER=1, IN_FLIGHT_WAIT_SECONDS=0.05):
-        limits.reset()
         try:
-            holder = threading.Thread(
-                target=lambda: results.append(limits.send_limited(provider, wakeup, service="x"))
-            )
-            holder.start()
-            assert provider.entered.wait(10)
-            assert limits.in_flight("x") == 1
-            refused = limits.send_limited(provider, wakeup, service="x")
-            # Another provider has its own slots.
+            holder = hold(provider, APP_1, results)
+            assert limits.in_flight(APP_1) == 1
+            refused = limits.send_group(provider, [WAKEUP], APP_1)
+            # Another app has its own slots.
             other = BlockingProvider()
             other.release.set()
-            assert limits.send_limited(other, wakeup, service="y").outcome == Outcome.DELIVERED
-            provider.release.set()
-            holder.join(10)
+            assert limits.send_group(other, [WAKEUP], APP_2) == [SendResult.delivered()]
         finally:
             provider.release.set()
-            limits.reset()
-    assert refused == SendResult(Outcome.RETRY_LATER, limits.IN_FLIGHT_CAP)
+        holder.join(10)
+    assert refused == [SendResult(Outcome.RETRY_LATER, limits.IN_FLIGHT_CAP)]
     assert results == [SendResult.delivered()]
-    assert limits.in_flight("x") == 0
+    assert limits.in_flight(APP_1) == 0
+
+
+def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits):
+    """A stuck app holds at most MAX_THREADS_PER_APP threads: its next send is deferred after
+    a moment (the thread goes back to the pool), and once the stuck send is SLOW_SECONDS old
+    it is told to come back when that send has timed out; another app's send goes at once."""
+    limits.set_worker_threads(4)
+    assert limits.max_threads_per_app() == 3  # a quarter stays free for the other apps
+    stuck = BlockingProvider()
+    results: list[SendResult] = []
+    with relay_settings(MAX_THREADS_PER_APP=1, PROVIDER_TIMEOUT_SECONDS=5.0):
+        try:
+            holder = hold(stuck, APP_1, results)
+            healthy = BlockingProvider()
+            healthy.release.set()
+            assert limits.send_group(healthy, [WAKEUP], APP_2) == [SendResult.delivered()]
+            started = time.monotonic()
+            busy = limits.send_group(stuck, [WAKEUP, WAKEUP], APP_1)
+            waited = time.monotonic() - started
+            time.sleep(limits.SLOW_SECONDS)
+            slow = limits.send_group(stuck, [WAKEUP], APP_1)
+        finally:
+            stuck.release.set()
+        holder.join(10)
+    assert busy == [SendResult(Outcome.RETRY_LATER, limits.APP_IN_FLIGHT_CAP)] * 2
+    assert waited < limits.SLOW_SECONDS
+    [deferred] = slow
+    assert (deferred.outcome, deferred.error_code) == (
+        Outcome.RETRY_LATER,
+        limits.APP_IN_FLIGHT_CAP,
+    )
+    # Until the stuck send has timed out (5 s after it started), spread over one more.
+    assert 4.0 <= deferred.retry_after <= 10.0
+    assert stuck.sends == 1
+
+
+def test_a_busy_app_with_quick_sends_waits_for_a_thread(fresh_limits, monkeypatch):
+    """Every slot taken by sends that end quickly: the next one waits for a slot instead of
+    going back through the broker."""
+    monkeypatch.setattr(limits, "SLOT_WAIT_SECONDS", 5.0)  # room for a loaded test machine
+    quick = BlockingProvider()
+    results: list[SendResult] = []
+    with relay_settings(MAX_THREADS_PER_APP=1):
+        holder = hold(quick, APP_1, results)
+        threading.Timer(0.1, quick.release.set).start()
+        assert limits.send_group(quick, [WAKEUP], APP_1) == [SendResult.delivered()]
+        holder.join(10)
+    assert results == [SendResult.delivered()] and quick.sends == 2
+
+
+def test_a_stalled_provider_opens_its_breaker_and_a_probe_closes_it(fresh_limits):
+    stalled = SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+    provider = BlockingProvider(stalled)
+    provider.release.set()
+    with relay_settings(BREAKER_STALLS=3, BREAKER_SECONDS=0.3):
+        for _ in range(3):
+            assert limits.send_group(provider, [WAKEUP], APP_1) == [stalled]
+        assert limits.breaker_open(APP_1) and not limits.breaker_open(APP_2)
+        # Open: deferred without touching the provider, with the time left as Retry-After.
+        [deferred] = limits.send_group(provider, [WAKEUP], APP_1)
+        assert (deferred.outcome, deferred.error_code) == (
+            Outcome.RETRY_LATER,
+            limits.PROVIDER_STALLED,
+        )
+        assert 0 < deferred.retry_after <= 0.6  # the time left, spread over a cool-down
+        assert provider.sends == 3
+        time.sleep(0.35)
+        # Half open: one probe of a batch goes out; it stalls again, so the breaker reopens.
+        results = limits.send_group(provider, [WAKEUP, WAKEUP], APP_1)
+        assert [r.error_code for r in results] == ["TIMEOUT", limits.PROVIDER_STALLED]
+        assert provider.sends == 4 and limits.breaker_open(APP_1)
+        time.sleep(0.35)
+        # Any answer, even a refusal, means the provider is not stuck: closed again.
+        provider.answer = SendResult(Outcome.DEAD_TOKEN, "UNREGISTERED")
+        assert limits.send_group(provider, [WAKEUP], APP_1)[0].outcome == Outcome.DEAD_TOKEN
+        assert not limits.breaker_open(APP_1)
+        assert limits.send_group(provider, [WAKEUP, WAKEUP], APP_1) == [provider.answer] * 2
+        # A new credential version starts with a fresh breaker.
+        provider.answer = stalled
+        for _ in range(3):
+            limits.send_group(provider, [WAKEUP], APP_1)
+        assert limits.breaker_open(APP_1)
+        assert not limits.breaker_open(limits.Target(1, "fcm", "rotated"))

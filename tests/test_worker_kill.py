@@ -136,6 +136,7 @@ def test_sigkill_mid_batch_loses_no_push(scenario, component):
                 assert children, "prefork children not found"
                 for child in children:
                     os.kill(child, signal.SIGKILL)
+                time.sleep(0.3)  # a request a child wrote just before it died is arriving
                 sent_before_kill = set(push_ids_at_fake(fcm))
             with contextlib.suppress(TimeoutError):  # the assertions below say what is missing
                 wait_until(

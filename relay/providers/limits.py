@@ -1,17 +1,42 @@
-"""A cap on sends in flight per provider in this process (Sygnal's ConcurrencyLimitedPushkin).
+"""Bulkheads between apps and a circuit breaker per app's provider, in one worker process.
 
-A provider that slows down (APNs holding streams, FCM answering in seconds) must not take
-every worker thread with it: beyond RELAY["MAX_IN_FLIGHT_PER_PROVIDER"] concurrent sends to
-one provider, a send waits up to RELAY["IN_FLIGHT_WAIT_SECONDS"] for a slot, then gives up as
-RETRY_LATER so the delivery engine retries it with backoff. The cap is per process: the whole
-pool's cap is that times the number of worker processes.
+One tenant's broken provider must not delay another's. A worker thread that sends waits for
+the provider's answer (up to RELAY["PROVIDER_TIMEOUT_SECONDS"]), so a provider that accepts
+connections and never answers would hold every thread that sends to it, and with them the
+pool every tenant shares. Three limits keep the damage to the app whose provider it is, and
+none of them makes a send wait for another app:
+
+- threads: at most RELAY["MAX_THREADS_PER_APP"] worker threads send to one app at once (0,
+  the default: three quarters of the worker's threads, so that a quarter, at least one, is
+  always left to the other apps). A send beyond that waits a moment (SLOT_WAIT_SECONDS) for
+  a slot, then is deferred (RETRY_LATER, APP_IN_FLIGHT_CAP): the provider never saw it, so no
+  attempt is counted. It comes back shortly if the app was merely busy; if its sends are slow
+  (the oldest in flight for SLOW_SECONDS), once that send has timed out (spread over one more
+  timeout), for the breaker's verdict, instead of spinning through the broker.
+- sends: at most RELAY["MAX_IN_FLIGHT_PER_PROVIDER"] wake-ups in flight per app's provider (a
+  batch takes up to BATCH_SLOTS at a time, Sygnal's ConcurrencyLimitedPushkin). A batch waits
+  up to RELAY["IN_FLIGHT_WAIT_SECONDS"] for a slot: only the app's own, bounded, threads
+  hold them, and bouncing at once delayed a tenth of the pushes under plain load.
+- breaker: RELAY["BREAKER_STALLS"] stalls in a row (timeouts, network errors: the provider did
+  not answer) open the breaker of that app's provider and credentials. For
+  RELAY["BREAKER_SECONDS"] its sends are deferred at once (PROVIDER_STALLED, with the time
+  left plus up to one more cool-down as Retry-After, so that they come back spread out) without
+  touching the provider or holding a thread; then one probe goes through, and an answer (any
+  answer: a provider that says no is not stuck) closes it.
+
+All of it is per process (the threads pool, as the Procfile runs workers): each worker
+learns of a stuck provider by itself, after at most BREAKER_STALLS sends.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 from django.conf import settings
 
@@ -21,79 +46,227 @@ from relay.providers.base import PushProvider, SendResult, Wakeup, send_each
 log = logging.getLogger(__name__)
 
 IN_FLIGHT_CAP = "IN_FLIGHT_CAP"
+APP_IN_FLIGHT_CAP = "APP_IN_FLIGHT_CAP"
+PROVIDER_STALLED = "PROVIDER_STALLED"
 # Slots one batch holds at a time (FCM overlaps 16 requests per batch).
 BATCH_SLOTS = 16
+# Results that mean "the provider did not answer": what a stuck provider produces.
+STALL_CODES = frozenset({"TIMEOUT", "NETWORK", "OAUTH_NETWORK", "AUTH_TIMEOUT", "AUTH_NETWORK"})
+# An app whose oldest send in flight is this old (seconds) is slow, not merely busy.
+SLOW_SECONDS = 0.5
+# How long a send waits for a thread of its busy (not slow) app before it is deferred: long
+# enough for a quick send to end, short enough that a provider turning stuck costs little.
+SLOT_WAIT_SECONDS = 0.05
+# Deferred for lack of a thread or slot of the app: the provider never saw these.
+BUSY_CODES = frozenset({IN_FLIGHT_CAP, APP_IN_FLIGHT_CAP})
+# Results that say nothing about the provider (the send never reached it).
+_NOT_SENT_CODES = BUSY_CODES | {PROVIDER_STALLED, "CLOSED"}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Whose provider a group of wake-ups goes to: the app, the service and the credentials'
+    version (a changed credential gets a fresh breaker)."""
+
+    app: int
+    service: str
+    version: str = ""
+
+
+@dataclass
+class _Breaker:
+    stalls: int = 0
+    open_until: float = 0.0  # time.monotonic(); 0: closed
+    probing: bool = False
+
 
 _lock = threading.Lock()
-_slots: dict[str, threading.BoundedSemaphore] = {}
-_in_flight: dict[str, int] = {}
+_freed = threading.Condition(_lock)  # a thread slot was given back
+_slots: dict[Hashable, threading.BoundedSemaphore] = {}
+_in_flight: dict[Hashable, int] = {}
+_threads: dict[int, dict[object, float]] = {}  # app -> {slot token: when taken}
+_breakers: dict[Target, _Breaker] = {}
+_worker_threads = 0
 
 
-def _semaphore(service: str) -> threading.BoundedSemaphore | None:
+def set_worker_threads(count: int) -> None:
+    """The worker's thread count (relay/tasks.py, at worker start): MAX_THREADS_PER_APP's
+    default is three quarters of it. Unknown (0) outside a worker: no thread limit."""
+    global _worker_threads
+    _worker_threads = max(0, int(count))
+
+
+def max_threads_per_app() -> int:
+    """Threads one app may hold at once in this process; 0: no limit."""
+    configured = int(settings.RELAY["MAX_THREADS_PER_APP"])
+    if configured > 0:
+        return configured
+    if _worker_threads > 1:
+        return _worker_threads - max(1, _worker_threads // 4)
+    return 0
+
+
+def in_flight(key: Hashable) -> int:
+    """Wake-ups in flight to `key` (a Target) in this process (metrics and tests)."""
+    with _lock:
+        return _in_flight.get(key, 0)
+
+
+def breaker_open(target: Target) -> bool:
+    """Whether `target`'s sends are being deferred right now (tests, health)."""
+    with _lock:
+        breaker = _breakers.get(target)
+        return breaker is not None and breaker.open_until > time.monotonic()
+
+
+def send_group(provider: PushProvider, wakeups: list[Wakeup], target: Target) -> list[SendResult]:
+    """Send one app's wake-ups through its provider within the app's limits; one result per
+    wake-up, in order. Never waits for another app's sends."""
+    if not wakeups:
+        return []
+    admitted, probe, retry_after = _admit(target)
+    if not admitted:
+        return [SendResult(Outcome.RETRY_LATER, PROVIDER_STALLED, retry_after)] * len(wakeups)
+    token, wait = _take_thread(target.app)
+    if token is None:
+        if probe:
+            with _lock:
+                _breakers[target].probing = False
+        log.info("delivery.app_busy", extra={"app": target.app, "provider": target.service})
+        return [SendResult(Outcome.RETRY_LATER, APP_IN_FLIGHT_CAP, wait)] * len(wakeups)
+    try:
+        if probe:
+            # One wake-up finds out whether the provider answers again; the rest wait for it.
+            results = _send_slotted(provider, wakeups[:1], target)
+            results += [SendResult(Outcome.RETRY_LATER, PROVIDER_STALLED)] * (len(wakeups) - 1)
+        else:
+            results = _send_slotted(provider, wakeups, target)
+        _learn(target, results, probe)
+        return results
+    finally:
+        with _freed:
+            del _threads[target.app][token]
+            _freed.notify_all()
+
+
+def _take_thread(app: int) -> tuple[object | None, float | None]:
+    """A thread slot of `app` (a token to give back), or None and a Retry-After.
+
+    With every slot taken, a healthy app's send waits for one (its sends end within
+    milliseconds) up to SLOT_WAIT_SECONDS, then it is deferred. A slow app's deferred pushes
+    (its oldest send in flight for SLOW_SECONDS) wait until that send has timed out, spread
+    over one more timeout: they wait for the breaker's verdict instead of spinning through
+    the broker.
+    """
+    cap = max_threads_per_app()
+    deadline = time.monotonic() + SLOT_WAIT_SECONDS
+    with _freed:
+        while True:
+            held = _threads.setdefault(app, {})
+            now = time.monotonic()
+            if not cap or len(held) < cap:
+                token = object()
+                held[token] = now
+                return token, None
+            oldest = now - min(held.values())
+            if oldest >= SLOW_SECONDS or now >= deadline:
+                break
+            _freed.wait(min(deadline - now, SLOW_SECONDS - oldest))
+    if oldest < SLOW_SECONDS:
+        return None, None
+    timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
+    return None, max(SLOW_SECONDS, timeout - oldest) + random.uniform(0, timeout)
+
+
+def _admit(target: Target) -> tuple[bool, bool, float | None]:
+    """(send?, as the probe?, Retry-After if not)."""
+    now = time.monotonic()
+    with _lock:
+        breaker = _breakers.setdefault(target, _Breaker())
+        if not breaker.open_until:
+            return True, False, None
+        if breaker.open_until > now:
+            # Spread over the next cool-down: a stuck app's deferred pushes come back as a
+            # steady trickle, not all at once when the breaker half-opens.
+            cool_down = float(settings.RELAY["BREAKER_SECONDS"])
+            return False, False, breaker.open_until - now + random.uniform(0, cool_down)
+        if breaker.probing:
+            return False, False, None
+        breaker.probing = True
+        return True, True, None
+
+
+def _learn(target: Target, results: list[SendResult], probe: bool) -> None:
+    """Count stalls in a row; open after BREAKER_STALLS, close on any answer."""
+    answered = any(
+        r.error_code not in STALL_CODES and r.error_code not in _NOT_SENT_CODES for r in results
+    )
+    stalls = sum(1 for r in results if r.error_code in STALL_CODES)
+    cool_down = float(settings.RELAY["BREAKER_SECONDS"])
+    threshold = int(settings.RELAY["BREAKER_STALLS"])
+    with _lock:
+        breaker = _breakers.setdefault(target, _Breaker())
+        was_open = bool(breaker.open_until)
+        if probe:
+            breaker.probing = False
+        if answered:
+            breaker.stalls = 0
+            breaker.open_until = 0.0
+        elif stalls:
+            breaker.stalls += stalls
+            if threshold > 0 and (probe or breaker.stalls >= threshold):
+                breaker.open_until = time.monotonic() + cool_down
+        else:
+            return
+        now_open = bool(breaker.open_until)
+        count = breaker.stalls
+    if now_open and (probe or not was_open):
+        log.warning(
+            "delivery.breaker_open",
+            extra={"app": target.app, "provider": target.service, "stalls": count},
+        )
+    elif was_open and not now_open:
+        log.warning(
+            "delivery.breaker_closed", extra={"app": target.app, "provider": target.service}
+        )
+
+
+def _semaphore(key: Hashable) -> threading.BoundedSemaphore | None:
     cap = int(settings.RELAY["MAX_IN_FLIGHT_PER_PROVIDER"])
     if cap <= 0:
         return None
     with _lock:
-        slot = _slots.get(service)
+        slot = _slots.get(key)
         if slot is None:
-            slot = _slots[service] = threading.BoundedSemaphore(cap)
+            slot = _slots[key] = threading.BoundedSemaphore(cap)
         return slot
 
 
-def in_flight(service: str) -> int:
-    """Sends to `service` in progress in this process (metrics and tests)."""
-    with _lock:
-        return _in_flight.get(service, 0)
-
-
-def send_limited(provider: PushProvider, wakeup: Wakeup, *, service: str) -> SendResult:
-    """`provider.send(wakeup)` within the per-provider cap."""
-    slot = _semaphore(service)
-    if slot is not None and not slot.acquire(
-        timeout=float(settings.RELAY["IN_FLIGHT_WAIT_SECONDS"])
-    ):
-        log.warning("delivery.in_flight_cap", extra={"provider": service})
-        return SendResult(Outcome.RETRY_LATER, IN_FLIGHT_CAP)
-    with _lock:
-        _in_flight[service] = _in_flight.get(service, 0) + 1
-    try:
-        return provider.send(wakeup)
-    finally:
-        with _lock:
-            _in_flight[service] -= 1
-        if slot is not None:
-            slot.release()
-
-
-def send_many_limited(
-    provider: PushProvider, wakeups: list[Wakeup], *, service: str
-) -> list[SendResult]:
-    """A batch through `send_each`, one cap slot per wake-up in flight: it waits (as
-    `send_limited`) for a first slot, takes what else is free at once (at most BATCH_SLOTS,
-    so one batch never starves the others for long), sends those, and repeats; whatever finds
-    no slot in time is RETRY_LATER, as a single send would be."""
-    if len(wakeups) == 1:
-        return [send_limited(provider, wakeups[0], service=service)]
-    slot = _semaphore(service)
+def _send_slotted(provider: PushProvider, wakeups: list[Wakeup], key: Hashable) -> list[SendResult]:
+    """A batch through `send_each`, one slot of `key`'s cap per wake-up in flight: it waits
+    for a first slot, takes what else is free at once (at most BATCH_SLOTS, so one batch never
+    starves the others for long), sends those, and repeats; whatever finds no slot in time is
+    RETRY_LATER (IN_FLIGHT_CAP)."""
+    slot = _semaphore(key)
     results: list[SendResult] = []
     while len(results) < len(wakeups):
         remaining = wakeups[len(results) :]
         taken = len(remaining)
         if slot is not None:
             if not slot.acquire(timeout=float(settings.RELAY["IN_FLIGHT_WAIT_SECONDS"])):
-                log.warning("delivery.in_flight_cap", extra={"provider": service})
+                log.warning("delivery.in_flight_cap", extra={"target": str(key)})
                 results.extend([SendResult(Outcome.RETRY_LATER, IN_FLIGHT_CAP)] * taken)
                 break
             taken = 1
             while taken < min(len(remaining), BATCH_SLOTS) and slot.acquire(blocking=False):
                 taken += 1
         with _lock:
-            _in_flight[service] = _in_flight.get(service, 0) + taken
+            _in_flight[key] = _in_flight.get(key, 0) + taken
         try:
             results.extend(send_each(provider, remaining[:taken]))
         finally:
             with _lock:
-                _in_flight[service] -= taken
+                _in_flight[key] -= taken
             if slot is not None:
                 for _ in range(taken):
                     slot.release()
@@ -101,17 +274,21 @@ def send_many_limited(
 
 
 def reset() -> None:
-    """Forget the slots, so a changed cap applies (tests)."""
+    """Forget slots and breakers, so changed settings apply (tests)."""
     with _lock:
         _slots.clear()
+        _breakers.clear()
 
 
 def _reset_after_fork() -> None:
     """A forked worker child starts with free slots (the parent's holders do not exist)."""
-    global _lock
+    global _lock, _freed
     _lock = threading.Lock()
+    _freed = threading.Condition(_lock)
     _slots.clear()
     _in_flight.clear()
+    _threads.clear()
+    _breakers.clear()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -13,6 +13,18 @@ what follows:
 - failed, retries exhausted, too old, or the retry could not be queued: a dead letter
   (relay/services/dead_letters.py) that the admin can replay, plus the Delivery record.
 
+Before anything is sent, a job older than SEND_MAX_AGE_SECONDS is given up ("too old: not
+sent"): it may have waited for the database, or for a worker that died.
+
+The database may go away at any moment (a restart, a failover). A dead connection is closed
+and the operation retried on a new one for DATABASE_RETRY_SECONDS; after that:
+
+- before anything was sent (reading the batch's registrations): DatabaseUnavailable, and the
+  task hands the whole message back to the broker with backoff (relay/tasks.py);
+- after the sends (writing what they taught, the `Bookkeeping`): RecordPending, and the task
+  queues the bookkeeping itself as a message of its own that is written once the database
+  is back. Nothing is sent twice for it, and nothing is acknowledged before it is kept.
+
 Every final outcome is one Delivery row per push id. A push redelivered after a worker died
 (acks_late) or replayed from a dead letter keeps its push id, so its row is updated, not
 doubled, and the providers see the same id (APNs `apns-id`; FCM and WNS when the app's payload
@@ -25,22 +37,25 @@ import contextlib
 import dataclasses
 import logging
 import random
-import uuid
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from relay.models import App, DeadLetter, Delivery, Outcome, Priority, Registration
-from relay.providers import registry
+from relay.providers import limits, registry
 from relay.providers.base import SendResult, Wakeup
-from relay.providers.limits import send_many_limited
 from relay.services import queue, throttling
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LAST_PUSH_RESOLUTION_SECONDS = 60
 # Codes that mean "you are sending too much": back off for longer than for a hiccup.
@@ -87,18 +102,51 @@ def _wakeup(registration: Registration, job: queue.SendJob) -> Wakeup:
 
 
 def _send_group(group: list[tuple[Registration, queue.SendJob]]) -> list[SendResult]:
-    """Send wake-ups that share an app and a service through one provider."""
+    """Send wake-ups that share an app and a service through one provider, within the app's
+    bulkhead and breaker (relay/providers/limits.py)."""
     registration = group[0][0]
     try:
         provider = registry.provider_for(registration.app, registration.service)
     except registry.NotConfigured as error:
         return [SendResult(Outcome.FAILED, error_code=error.code)] * len(group)
     wakeups = [_wakeup(registration, job) for registration, job in group]
+    target = limits.Target(
+        registration.app_id, registration.service, registration.app.updated.isoformat()
+    )
     try:
-        return send_many_limited(provider, wakeups, service=registration.service)
+        return limits.send_group(provider, wakeups, target)
     except Exception as error:  # a provider must classify; a crash is treated as passing trouble
         log.exception("delivery.provider_crashed", extra={"error_type": type(error).__name__})
         return [SendResult(Outcome.RETRY_LATER, error_code="INTERNAL")] * len(group)
+
+
+def _send_groups(
+    groups: list[list[tuple[Registration, queue.SendJob]]],
+) -> list[list[SendResult]]:
+    """The groups of a batch (one per app and service) go out side by side, the first in this
+    thread and each other one in a thread of its own: one app's stuck provider must not hold
+    another app's wake-ups back, neither in this batch nor, through a shared pool, in others.
+    """
+    results: list[list[SendResult]] = [[] for _ in groups]
+
+    def send(index: int) -> None:
+        try:
+            results[index] = _send_group(groups[index])
+        except Exception as error:  # never lose a group's results to a crash: retry them
+            log.exception("delivery.group_crashed", extra={"error_type": type(error).__name__})
+            results[index] = [SendResult(Outcome.RETRY_LATER, "INTERNAL")] * len(groups[index])
+
+    others = [
+        threading.Thread(target=send, args=(index,), name="send-group", daemon=True)
+        for index in range(1, len(groups))
+    ]
+    for thread in others:
+        thread.start()
+    if groups:
+        send(0)
+    for thread in others:
+        thread.join()
+    return results
 
 
 def _claim_folded(registration: Registration, job: queue.SendJob) -> queue.SendJob:
@@ -122,17 +170,38 @@ def _claim_folded(registration: Registration, job: queue.SendJob) -> queue.SendJ
     )
 
 
+def _retry_cap() -> float:
+    return float(settings.RELAY["SEND_RETRY_MAX_SECONDS"])
+
+
+def busy_delay(age: float) -> float:
+    """Seconds before a send deferred because its app's threads or slots were all busy is
+    tried again: short at first (a healthy app that was merely busy), longer the longer the
+    push has waited (a stuck app's pushes must not spin through the broker)."""
+    return random.uniform(0.5, 1.0) * min(_retry_cap(), max(0.2, age / 2))
+
+
 def _retry(job: queue.SendJob, result: SendResult, now: datetime) -> str:
-    """Queue the next attempt; "" if queued, else why the push is given up."""
+    """Queue the next attempt; "" if queued, else why the push is given up.
+
+    A send deferred for lack of a thread or slot of its app (limits.BUSY_CODES) never reached
+    the provider: it keeps its attempt number, so only the age limit ends it.
+    """
     code = result.error_code or "RETRY_LATER"
-    if job.attempt >= int(settings.RELAY["SEND_MAX_ATTEMPTS"]):
+    age = _age_seconds(job, now)
+    attempt = job.attempt
+    if code in limits.BUSY_CODES:
+        delay = max(busy_delay(age), min(result.retry_after or 0.0, _retry_cap()))
+    elif job.attempt >= int(settings.RELAY["SEND_MAX_ATTEMPTS"]):
         return f"retries exhausted: {code}"
-    delay = retry_delay(job.attempt, result.retry_after, quota=code in QUOTA_CODES)
-    if _age_seconds(job, now) + delay >= float(settings.RELAY["SEND_MAX_AGE_SECONDS"]):
+    else:
+        delay = retry_delay(job.attempt, result.retry_after, quota=code in QUOTA_CODES)
+        attempt += 1
+    if age + delay >= float(settings.RELAY["SEND_MAX_AGE_SECONDS"]):
         return f"too old: {code}"
     try:
         queue.enqueue_send(
-            dataclasses.replace(job, attempt=job.attempt + 1, coalesced=False), countdown=delay
+            dataclasses.replace(job, attempt=attempt, coalesced=False), countdown=delay
         )
     except queue.QueueUnavailable:
         return f"not re-queued: {code}"
@@ -146,6 +215,77 @@ def _retry(job: queue.SendJob, result: SendResult, now: datetime) -> str:
         },
     )
     return ""
+
+
+class DatabaseUnavailable(Exception):
+    """The database did not answer within DATABASE_RETRY_SECONDS, on fresh connections."""
+
+
+@dataclass
+class Bookkeeping:
+    """What a batch taught: dead registrations, delivered ones (`last_push`), dead letters and
+    the Delivery rows, written in one transaction. Plain JSON-able data without token, JID or
+    body, so that it can wait in the broker while the database is away."""
+
+    at: str
+    dead: list[int] = field(default_factory=list)
+    delivered: list[int] = field(default_factory=list)
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    deliveries: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_message(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> Bookkeeping:
+        names = {item.name for item in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in message.items() if key in names})
+
+
+class RecordPending(Exception):
+    """The sends are done but their bookkeeping could not be written: it must be kept
+    elsewhere (the broker) before the batch is acknowledged."""
+
+    def __init__(self, bookkeeping: Bookkeeping, outcomes: list[Outcome]) -> None:
+        super().__init__("bookkeeping not written")
+        self.bookkeeping = bookkeeping
+        self.outcomes = outcomes
+
+
+_CONNECTION_ERRORS = (OperationalError, InterfaceError)
+
+
+def with_database(operation: Callable[[], T]) -> T:
+    """`operation()`, retried on a new connection while the database does not answer, for up to
+    DATABASE_RETRY_SECONDS; then DatabaseUnavailable.
+
+    A server restart kills every pooled connection; a worker thread would otherwise keep its
+    dead one (CELERY_DB_REUSE_MAX) and fail every task with "the connection is closed".
+    """
+    deadline = time.monotonic() + float(settings.RELAY["DATABASE_RETRY_SECONDS"])
+    pause = 0.05
+    while True:
+        try:
+            return operation()
+        except _CONNECTION_ERRORS as error:
+            with contextlib.suppress(DatabaseError):
+                connection.close()  # the next query opens a new one
+            if time.monotonic() + pause > deadline:
+                log.warning(
+                    "delivery.database_unavailable", extra={"error_type": type(error).__name__}
+                )
+                raise DatabaseUnavailable(type(error).__name__) from error
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+
+def database_retry_delay(retries: int) -> float:
+    """Seconds before a message the database turned away is tried again (its `retries`th
+    time): the send backoff, at most DATABASE_RETRY_MAX_SECONDS."""
+    return min(DATABASE_RETRY_MAX_SECONDS, retry_delay(retries + 1, None))
+
+
+DATABASE_RETRY_MAX_SECONDS = 30.0
 
 
 def deliver(job: queue.SendJob) -> Outcome:
@@ -168,11 +308,20 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
 
     Each job ends exactly as `deliver` alone would end it (retried with its own backoff and
     push id, dead-lettered, recorded), but the batch shares its queries: the registrations in
-    two, the sends grouped per app and service (the provider may overlap them), the dead
-    tokens, `last_push` and the Delivery rows in one statement each.
+    two, the sends grouped per app and service (the groups side by side, the provider may
+    overlap a group's sends), the dead tokens, `last_push`, the dead letters and the Delivery
+    rows in one statement each.
+
+    Raises DatabaseUnavailable before anything was sent, RecordPending after.
     """
+    if not jobs:
+        return []
     outcomes: list[Outcome] = [Outcome.FAILED] * len(jobs)
-    registrations = _load_registrations({job.registration_id for job in jobs})
+    registrations = with_database(
+        lambda: _load_registrations({job.registration_id for job in jobs})
+    )
+    now = timezone.now()
+    max_age = float(settings.RELAY["SEND_MAX_AGE_SECONDS"])
     items: list[tuple[int, Registration, queue.SendJob]] = []
     results: dict[int, SendResult] = {}
     groups: dict[tuple[int, str], list[tuple[int, Registration, queue.SendJob]]] = {}
@@ -186,18 +335,20 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
         items.append((index, registration, job))
         if registration.dead_since is not None:
             results[index] = SendResult(Outcome.DEAD_TOKEN, error_code="ALREADY_DEAD")
+        elif _age_seconds(job, now) >= max_age:
+            results[index] = SendResult(Outcome.FAILED, error_code=TOO_OLD)
         else:
             key = (registration.app_id, registration.service)
             groups.setdefault(key, []).append((index, registration, job))
-    for group in groups.values():
-        sent = _send_group([(registration, job) for _, registration, job in group])
-        for (index, _, _), result in zip(group, sent, strict=True):
+    sent = _send_groups(
+        [[(registration, job) for _, registration, job in group] for group in groups.values()]
+    )
+    for group, group_results in zip(groups.values(), sent, strict=True):
+        for (index, _, _), result in zip(group, group_results, strict=True):
             results[index] = result
 
     now = timezone.now()
-    dead: list[int] = []
-    delivered: list[int] = []
-    rows: dict[str, Delivery] = {}
+    book = Bookkeeping(at=now.isoformat())
     for index, registration, job in items:
         result = results[index]
         given_up = ""
@@ -207,15 +358,17 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
                 outcomes[index] = Outcome.RETRY_LATER
                 continue
             result = SendResult(Outcome.FAILED, error_code=result.error_code or "RETRY_LATER")
+        elif result.error_code == TOO_OLD:
+            given_up = "too old: not sent"
         elif result.outcome == Outcome.FAILED:
             given_up = f"failed: {result.error_code or 'UNKNOWN'}"
         if result.outcome == Outcome.DEAD_TOKEN:
-            dead.append(registration.pk)
+            book.dead.append(registration.pk)
         if result.outcome == Outcome.DELIVERED:
-            delivered.append(registration.pk)
+            book.delivered.append(registration.pk)
         if given_up:
-            _dead_letter(registration, job, given_up)
-        rows[job.push_id] = _row(registration, job, result, now)
+            book.dead_letters.append(_dead_letter(registration, job, given_up))
+        book.deliveries.append(_row(registration, job, result, now))
         outcomes[index] = result.outcome
         log.info(
             "delivery.done",
@@ -229,18 +382,44 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
                 "dead_letter": bool(given_up),
             },
         )
+    try:
+        record(book)
+    except DatabaseUnavailable:
+        raise RecordPending(book, outcomes) from None
+    return outcomes
+
+
+TOO_OLD = "TOO_OLD"
+# What a dead letter written again (a replay failing again) takes from the new one.
+DEAD_LETTER_FIELDS = ["tenant", "app", "registration", "provider", "reason", "attempts", "job"]
+
+
+def record(book: Bookkeeping) -> None:
+    """Write a batch's bookkeeping (retried on new connections; DatabaseUnavailable)."""
+    if book.dead or book.delivered or book.dead_letters or book.deliveries:
+        with_database(lambda: _write(book))
+
+
+def _write(book: Bookkeeping) -> None:
+    now = datetime.fromisoformat(book.at)
     with _bookkeeping():
-        if dead:
-            Registration.objects.filter(pk__in=dead, dead_since__isnull=True).update(
+        if book.dead:
+            Registration.objects.filter(pk__in=book.dead, dead_since__isnull=True).update(
                 dead_since=now
             )
-        if delivered:
+        if book.delivered:
             stale = now - timezone.timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
             Registration.objects.filter(
-                Q(last_push__isnull=True) | Q(last_push__lt=stale), pk__in=delivered
+                Q(last_push__isnull=True) | Q(last_push__lt=stale), pk__in=book.delivered
             ).update(last_push=now)
-        _record(list(rows.values()))
-    return outcomes
+        if book.dead_letters:
+            DeadLetter.objects.bulk_create(
+                [DeadLetter(**letter, replayed=None) for letter in book.dead_letters],
+                update_conflicts=True,
+                unique_fields=["push_id"],
+                update_fields=[*DEAD_LETTER_FIELDS, "replayed"],
+            )
+        _record([Delivery(**row) for row in book.deliveries])
 
 
 @contextlib.contextmanager
@@ -256,46 +435,47 @@ def _bookkeeping() -> Iterator[None]:
         yield
 
 
-def _dead_letter(registration: Registration, job: queue.SendJob, reason: str) -> None:
+def _dead_letter(registration: Registration, job: queue.SendJob, reason: str) -> dict[str, Any]:
     """Keep the job (it holds no token, JID or body) for a replay with the same push id."""
-    DeadLetter.objects.update_or_create(
-        push_id=uuid.UUID(job.push_id),
-        defaults={
-            "tenant_id": registration.app.tenant_id,
-            "app_id": registration.app_id,
-            "registration_id": registration.pk,
-            "provider": registration.service,
-            "reason": reason[:64],
-            "attempts": job.attempt,
-            "job": job.to_message(),
-            "replayed": None,
-        },
-    )
     log.warning(
         "delivery.dead_letter",
         extra={"push_id": job.push_id, "provider": registration.service, "reason": reason},
     )
+    return {
+        **_whose(registration, job),
+        "reason": reason[:64],
+        "attempts": job.attempt,
+        "job": job.to_message(),
+    }
+
+
+def _whose(registration: Registration, job: queue.SendJob) -> dict[str, Any]:
+    """The fields a Delivery row and a dead letter share: which push, whose, through what."""
+    return {
+        "push_id": job.push_id,
+        "tenant_id": registration.app.tenant_id,
+        "app_id": registration.app_id,
+        "registration_id": registration.pk,
+        "provider": registration.service,
+    }
 
 
 def _row(
     registration: Registration, job: queue.SendJob, result: SendResult, now: datetime
-) -> Delivery:
-    return Delivery(
-        push_id=uuid.UUID(job.push_id),
-        tenant_id=registration.app.tenant_id,
-        app_id=registration.app_id,
-        registration_id=registration.pk,
-        provider=registration.service,
-        publishing_domain=job.publishing_domain,
-        priority=Priority.HIGH if job.important else Priority.NORMAL,
-        received=datetime.fromisoformat(job.received),
-        queued=datetime.fromisoformat(job.queued) if job.queued else now,
-        sent=now if result.outcome == Outcome.DELIVERED else None,
-        attempts=job.attempt,
-        outcome=result.outcome,
-        error_code=result.error_code[:64],
-        coalesced=job.folded,
-    )
+) -> dict[str, Any]:
+    """A Delivery row's fields, JSON-able (times as ISO text, which the fields parse)."""
+    return {
+        **_whose(registration, job),
+        "publishing_domain": job.publishing_domain,
+        "priority": Priority.HIGH if job.important else Priority.NORMAL,
+        "received": job.received,
+        "queued": job.queued or now.isoformat(),
+        "sent": now.isoformat() if result.outcome == Outcome.DELIVERED else None,
+        "attempts": job.attempt,
+        "outcome": result.outcome,
+        "error_code": result.error_code[:64],
+        "coalesced": job.folded,
+    }
 
 
 def _record(rows: list[Delivery]) -> None:

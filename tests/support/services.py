@@ -195,10 +195,13 @@ class PrivatePostgres:
 
 
 class PrivateRedis:
-    """A redis-server of our own that keeps nothing on disk."""
+    """A redis-server of our own that keeps nothing on disk, unless `durable`: then an
+    append-only file fsynced at every write, as a broker should run in production, so that a
+    restart (or a kill) keeps the queued sends, as the broker fault tests need."""
 
-    def __init__(self, *, port: int | None = None) -> None:
+    def __init__(self, *, port: int | None = None, durable: bool = False) -> None:
         self.port = port or free_port()
+        self.durable = durable
         self.workdir = Path(tempfile.mkdtemp(prefix="relay-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -209,7 +212,8 @@ class PrivateRedis:
         log = (self.workdir / "redis.log").open("ab")
         self.process = subprocess.Popen(
             [binary, "--bind", LOOPBACK, "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir), "--databases", "16"],
+             "--appendonly", "yes" if self.durable else "no", "--appendfsync", "always",
+             "--dir", str(self.workdir), "--databases", "16"],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
