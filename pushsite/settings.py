@@ -289,6 +289,10 @@ def env_rate(name: str, default: str) -> tuple[int, float]:
     return int(count), float(seconds or 60)
 
 
+# --- Reports (analytics/, docs/reports.md): delivery records, registration events and publish
+# tallies older than this many days are pruned by `manage.py prune_records` (beat task below).
+RELAY["RETENTION_DAYS"] = env_int("RELAY_RETENTION_DAYS", 90)
+
 # --- Windows (UWPX-style) clients: the JSON API and the TLS listener (docs/windows-api.md).
 RELAY.update(
     {
@@ -344,6 +348,25 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env_float("RELAY_UWPX_STALE_CHECK_SECONDS", 6 * 3600.0),
     },
 }
+# The daily reports (analytics/jobs.py, in a process of its own) and the retention pruning,
+# at RELAY_REPORTS_AT (UTC, "HH:MM"; empty turns both off).
+RELAY["REPORTS_AT"] = os.environ.get("RELAY_REPORTS_AT", "02:30").strip()
+if RELAY["REPORTS_AT"]:
+    from celery.schedules import crontab
+
+    try:
+        _hour, _minute = (int(part) for part in RELAY["REPORTS_AT"].split(":"))
+    except ValueError:
+        raise ImproperlyConfigured("RELAY_REPORTS_AT must be HH:MM (UTC) or empty") from None
+    CELERY_BEAT_SCHEDULE["daily-reports"] = {
+        "task": "relay.run_daily_reports",
+        "schedule": crontab(hour=_hour, minute=_minute),
+    }
+    # An hour later: pruning never races the report reading the oldest days.
+    CELERY_BEAT_SCHEDULE["prune-records"] = {
+        "task": "relay.prune_records",
+        "schedule": crontab(hour=(_hour + 1) % 24, minute=_minute),
+    }
 
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()
 LOGGING = {

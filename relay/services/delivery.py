@@ -38,7 +38,7 @@ from relay.models import App, DeadLetter, Delivery, Outcome, Priority, Registrat
 from relay.providers import registry
 from relay.providers.base import SendResult, Wakeup
 from relay.providers.limits import send_many_limited
-from relay.services import queue, throttling
+from relay.services import lifecycle, queue, throttling
 
 log = logging.getLogger(__name__)
 
@@ -231,9 +231,8 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
         )
     with _bookkeeping():
         if dead:
-            Registration.objects.filter(pk__in=dead, dead_since__isnull=True).update(
-                dead_since=now
-            )
+            Registration.objects.filter(pk__in=dead, dead_since__isnull=True).update(dead_since=now)
+            lifecycle.died(dead, at=now)
         if delivered:
             stale = now - timezone.timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
             Registration.objects.filter(

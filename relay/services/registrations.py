@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from relay.identifiers import account_hash, new_node, new_secret
 from relay.models import Component, Registration, Service
+from relay.services import lifecycle
 
 
 class UnknownRegistration(Exception):
@@ -60,6 +61,7 @@ def register_device(
                 dead_since=None,
                 updated=timezone.now(),
             )
+            lifecycle.renewed(registration, token=token)
             return RegistrationAnswer(component.jid, registration.node, registration.secret)
         try:
             with transaction.atomic():
@@ -71,6 +73,7 @@ def register_device(
                     node=new_node(),
                     secret=new_secret(),
                 )
+                lifecycle.created([registration])
             return RegistrationAnswer(component.jid, registration.node, registration.secret)
         except IntegrityError:
             # A concurrent registration of the same device won, or (astronomically rarely)
@@ -84,8 +87,10 @@ def unregister_device(
 ) -> None:
     device_hash = account_hash(bare_jid, device_id)
     room_hash = account_hash(room_jid, device_id) if room_jid else ""
-    deleted, _ = Registration.objects.filter(
-        app_id=component.app_id, service=service, device_hash=device_hash, room_hash=room_hash
-    ).delete()
+    deleted, _ = lifecycle.delete_logged(
+        Registration.objects.filter(
+            app_id=component.app_id, service=service, device_hash=device_hash, room_hash=room_hash
+        )
+    )
     if not deleted:
         raise UnknownRegistration
