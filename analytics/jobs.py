@@ -30,14 +30,18 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file by spark-submit: make `analytics` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):
+    # Run as a file by spark-submit: import `analytics` from the checkout, and not this
+    # folder's modules as top-level ones (they would shadow the standard library's).
+    _here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if not p or str(Path(p).resolve()) != _here]
+    sys.path.insert(0, str(Path(_here).parent))
 
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from analytics import exports, html, reports, sources, store, writer
+from analytics import exports, report_page, reports, sources, store, writer
 from analytics.config import ConfigError, JobConfig, from_args
 
 # Part of every fingerprint: a change to how reports are computed invalidates stored days.
@@ -300,7 +304,7 @@ def _write_files(
     registrations = _rows(_read(spark, config, "registrations", first, last, NAMED_REGISTRATIONS))
     in_range = lambda row: config.since <= row["day"] <= config.until  # noqa: E731
     domains = _read(spark, config, "domains", config.since, config.until, DOMAIN_SCHEMA)
-    page = html.render(
+    page = report_page.render(
         since=config.since,
         until=config.until,
         days=config.days,

@@ -61,7 +61,8 @@ def read_days(
     fs = _HadoopFs(spark, _root(output))
     if not fs.exists(name):
         return spark.createDataFrame([], schema)
-    frame = spark.read.parquet(f"{_root(output)}/{name}")
+    # The schema is given: a day written empty leaves no file to infer one from.
+    frame = spark.read.schema(schema).parquet(f"{_root(output)}/{name}")
     return frame.where(F.col("day").between(first, last))
 
 

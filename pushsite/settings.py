@@ -348,25 +348,40 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env_float("RELAY_UWPX_STALE_CHECK_SECONDS", 6 * 3600.0),
     },
 }
-# The daily reports (analytics/jobs.py, in a process of its own) and the retention pruning,
-# at RELAY_REPORTS_AT (UTC, "HH:MM"; empty turns both off).
-RELAY["REPORTS_AT"] = os.environ.get("RELAY_REPORTS_AT", "02:30").strip()
-if RELAY["REPORTS_AT"]:
+
+
+def _beat_time(name: str, default: str) -> tuple[int, int] | None:
+    """A daily time "HH:MM" (UTC) from the environment; empty turns the task off."""
+    value = os.environ.get(name, default).strip()
+    if not value:
+        return None
+    try:
+        hour, minute = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be HH:MM (UTC) or empty") from None
+    return hour, minute
+
+
+# The daily Spark reports (analytics/jobs.py, in a process of its own): on by default once a
+# read replica is configured (ANALYTICS_DATABASE_URL), at RELAY_REPORTS_AT.
+_reports_at = _beat_time(
+    "RELAY_REPORTS_AT", "02:30" if os.environ.get("ANALYTICS_DATABASE_URL") else ""
+)
+# Pruning what is older than RELAY_RETENTION_DAYS, at RELAY_PRUNE_AT.
+_prune_at = _beat_time("RELAY_PRUNE_AT", "03:30")
+if _reports_at or _prune_at:
     from celery.schedules import crontab
 
-    try:
-        _hour, _minute = (int(part) for part in RELAY["REPORTS_AT"].split(":"))
-    except ValueError:
-        raise ImproperlyConfigured("RELAY_REPORTS_AT must be HH:MM (UTC) or empty") from None
-    CELERY_BEAT_SCHEDULE["daily-reports"] = {
-        "task": "relay.run_daily_reports",
-        "schedule": crontab(hour=_hour, minute=_minute),
-    }
-    # An hour later: pruning never races the report reading the oldest days.
-    CELERY_BEAT_SCHEDULE["prune-records"] = {
-        "task": "relay.prune_records",
-        "schedule": crontab(hour=(_hour + 1) % 24, minute=_minute),
-    }
+    if _reports_at:
+        CELERY_BEAT_SCHEDULE["daily-reports"] = {
+            "task": "relay.run_daily_reports",
+            "schedule": crontab(hour=_reports_at[0], minute=_reports_at[1]),
+        }
+    if _prune_at:
+        CELERY_BEAT_SCHEDULE["prune-records"] = {
+            "task": "relay.prune_records",
+            "schedule": crontab(hour=_prune_at[0], minute=_prune_at[1]),
+        }
 
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()
 LOGGING = {

@@ -319,3 +319,40 @@ def test_tenant_deletion_takes_its_records(component):
     component.delete()  # components protect their app
     Tenant.objects.all().delete()
     assert RegistrationEvent.objects.count() == 0
+
+
+def test_beat_runs_the_reports_once_a_replica_is_set_and_always_prunes():
+    import subprocess
+    import sys
+
+    from tests.analytics_data import ROOT
+
+    def schedule(**env: str) -> str:
+        code = "from django.conf import settings; print(sorted(settings.CELERY_BEAT_SCHEDULE))"
+        environ = {
+            k: v
+            for k, v in __import__("os").environ.items()
+            if k not in ("ANALYTICS_DATABASE_URL", "RELAY_REPORTS_AT")
+        }
+        return subprocess.run(
+            [sys.executable, "-c", f"import django; django.setup(); {code}"],
+            cwd=ROOT,
+            env={**environ, "DJANGO_SETTINGS_MODULE": "pushsite.settings", **env},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+
+    assert "'prune-records'" in schedule() and "'daily-reports'" not in schedule()
+    assert "'daily-reports'" in schedule(ANALYTICS_DATABASE_URL="postgres://r@replica/push")
+    assert "'daily-reports'" in schedule(RELAY_REPORTS_AT="04:15")
+
+
+def test_prune_task_applies_the_retention(component):
+    from relay import tasks
+
+    Delivery.objects.bulk_create([_delivery(component, timezone.now() - timedelta(days=999))])
+    with relay_settings(RETENTION_DAYS=30):
+        assert tasks.prune_records() == 1
+    assert Delivery.objects.count() == 0
