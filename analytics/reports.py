@@ -47,41 +47,67 @@ def _ratio(numerator: str, denominator: str) -> F.Column:
     return F.when(F.col(denominator) > 0, F.col(numerator) / F.col(denominator))
 
 
-def usage(facts: DataFrame) -> DataFrame:
+# The key the facts are summed by once, before any report: every report's key is a part of
+# it, so the reports read this small table instead of the rows.
+FINE_KEY = ("day", "tenant_id", "app_id", "provider", "publishing_domain", "outcome", "error_code")
+
+
+def summed(facts: DataFrame) -> DataFrame:
+    """The facts' counts per FINE_KEY (and how many rows they came from)."""
+    return facts.groupBy(*FINE_KEY).agg(
+        F.count(F.lit(1)).alias("rows"), *[F.sum(name).alias(name) for name in COUNT_COLUMNS]
+    )
+
+
+_SETS = (
+    "GROUPING SETS ((day, tenant_id, app_id, provider), (day, tenant_id, app_id), "
+    "(day, tenant_id), (day))"
+)
+
+
+def usage(sums: DataFrame, latencies: DataFrame) -> DataFrame:
     """Per day at four levels (tenant+app+provider, tenant+app, tenant, all tenants): the
-    counts and the publish -> provider answer latency of delivered pushes."""
-    facts.createOrReplaceTempView("facts")
-    sums = ", ".join(f"sum({name}) AS {name}" for name in COUNT_COLUMNS)
+    counts (from `summed`) and the publish -> provider answer latency of delivered pushes
+    (from `sources.read_latencies`: the percentiles need every value, so their own pass)."""
+    spark = sums.sparkSession
+    sums.createOrReplaceTempView("sums")
+    latencies.createOrReplaceTempView("latencies")
+    totals = ", ".join(f"sum({name}) AS {name}" for name in COUNT_COLUMNS)
     quantiles = ", ".join(str(p) for p in PERCENTILES)
-    rows = facts.sparkSession.sql(
-        f"""
-        SELECT day, grouping_id() AS g, tenant_id, app_id, provider, {sums},
-               percentile_approx(latency_ms, array({quantiles}), {ACCURACY}) AS latency
-        FROM facts
-        GROUP BY day, tenant_id, app_id, provider
-        GROUPING SETS ((day, tenant_id, app_id, provider), (day, tenant_id, app_id),
-                       (day, tenant_id), (day))
-        """
+    counts = spark.sql(
+        f"SELECT day, grouping_id() AS g, tenant_id, app_id, provider, {totals} FROM sums "
+        f"GROUP BY day, tenant_id, app_id, provider {_SETS}"
+    )
+    latency = spark.sql(
+        f"SELECT day, grouping_id() AS g, tenant_id, app_id, provider, "
+        f"percentile_approx(latency_ms, array({quantiles}), {ACCURACY}) AS latency "
+        f"FROM latencies GROUP BY day, tenant_id, app_id, provider {_SETS}"
+    )
+    keys = ["day", "g", "tenant_id", "app_id", "provider"]
+    joined = counts.alias("c").join(
+        latency.alias("l"),
+        [F.col(f"c.{key}").eqNullSafe(F.col(f"l.{key}")) for key in keys],
+        "left",
     )
     level = F.create_map(*[F.lit(x) for pair in LEVELS.items() for x in pair])
-    return rows.select(
-        "day",
-        level[F.col("g")].alias("level"),
-        "tenant_id",
-        "app_id",
-        F.coalesce("provider", F.lit("")).alias("provider"),
-        *COUNT_COLUMNS,
+    return joined.select(
+        F.col("c.day").alias("day"),
+        level[F.col("c.g")].alias("level"),
+        F.col("c.tenant_id").alias("tenant_id"),
+        F.col("c.app_id").alias("app_id"),
+        F.coalesce(F.col("c.provider"), F.lit("")).alias("provider"),
+        *[F.col(f"c.{name}").alias(name) for name in COUNT_COLUMNS],
         _ratio("delivered", "pushes_sent").alias("success_rate"),
-        F.col("latency")[0].alias("latency_p50_ms"),
-        F.col("latency")[1].alias("latency_p95_ms"),
-        F.col("latency")[2].alias("latency_p99_ms"),
+        F.col("l.latency")[0].alias("latency_p50_ms"),
+        F.col("l.latency")[1].alias("latency_p95_ms"),
+        F.col("l.latency")[2].alias("latency_p99_ms"),
     )
 
 
-def domains(facts: DataFrame) -> DataFrame:
+def domains(sums: DataFrame) -> DataFrame:
     """Every publishing domain of every tenant and day: volume and failures."""
     return (
-        facts.groupBy("day", "tenant_id", "publishing_domain")
+        sums.groupBy("day", "tenant_id", "publishing_domain")
         .agg(
             F.sum("publishes_received").alias("publishes_received"),
             F.sum("pushes_sent").alias("pushes_sent"),
@@ -115,10 +141,10 @@ def top_domains(all_domains: DataFrame, *, top: int, min_sends: int) -> DataFram
     )
 
 
-def error_codes(facts: DataFrame) -> DataFrame:
+def error_codes(sums: DataFrame) -> DataFrame:
     """Provider error codes per day, tenant, app, provider and outcome."""
     return (
-        facts.where(F.col("error_code") != "")
+        sums.where(F.col("error_code") != "")
         .groupBy("day", "tenant_id", "app_id", "provider", "outcome", "error_code")
         .agg(F.sum("pushes_sent").alias("count"))
     )

@@ -63,28 +63,28 @@ INSERT INTO relay_delivery (push_id, tenant_id, app_id, provider, publishing_dom
     received, queued, sent, attempts, outcome, error_code, coalesced)
 SELECT ('00000000-0000-4000-8000-' || lpad(to_hex(i), 12, '0'))::uuid,
        t.tenant_id, t.app_id,
-       (ARRAY['fcm', 'apns', 'wns'])[1 + i % 3],
-       'd' || (i % 200) || '.example', 'high', r.received, r.received,
-       CASE WHEN i % 100 < 90
-            THEN r.received + make_interval(secs => (40 + (i * 7919) % 960) / 1000.0) END,
-       1 + (i % 17 = 0)::int,
-       CASE WHEN i % 100 < 90 THEN 'delivered' WHEN i % 100 < 94 THEN 'dead_token'
+       (ARRAY['fcm', 'apns', 'wns'])[1 + i %% 3],
+       'd' || (i %% 200) || '.example', 'high', r.received, r.received,
+       CASE WHEN i %% 100 < 90
+            THEN r.received + make_interval(secs => (40 + (i * 7919) %% 960) / 1000.0) END,
+       1 + (i %% 17 = 0)::int,
+       CASE WHEN i %% 100 < 90 THEN 'delivered' WHEN i %% 100 < 94 THEN 'dead_token'
             ELSE 'failed' END,
-       CASE WHEN i % 100 < 90 THEN '' WHEN i % 100 < 94 THEN 'UNREGISTERED'
-            ELSE (ARRAY['QUOTA_EXCEEDED', 'INTERNAL', 'HTTP_500'])[1 + i % 3] END,
+       CASE WHEN i %% 100 < 90 THEN '' WHEN i %% 100 < 94 THEN 'UNREGISTERED'
+            ELSE (ARRAY['QUOTA_EXCEEDED', 'INTERNAL', 'HTTP_500'])[1 + i %% 3] END,
        0
 FROM generate_series(%(low)s::bigint, %(high)s::bigint) AS i
 CROSS JOIN LATERAL (SELECT %(start)s::timestamptz + make_interval(
     secs => (i - %(low)s) * %(span)s::float8 / (%(high)s - %(low)s + 1)) AS received) r
-CROSS JOIN LATERAL (SELECT (%(tenants)s::bigint[])[1 + i % 4] AS tenant_id,
-                           (%(apps)s::bigint[])[1 + i % 4] AS app_id) t
+CROSS JOIN LATERAL (SELECT (%(tenants)s::bigint[])[1 + i %% 4] AS tenant_id,
+                           (%(apps)s::bigint[])[1 + i %% 4] AS app_id) t
 """
 TALLIES = """
 INSERT INTO relay_publishtally (minute, tenant_id, app_id, provider, publishing_domain, verdict,
     count)
-SELECT m, t.tenant_id, t.app_id, 'fcm', 'd1.example', v, 1 + (extract(epoch from m)::bigint % 50)
-FROM generate_series(%(start)s::timestamptz, %(end)s::timestamptz - interval '1 minute',
-                     interval '1 minute') AS m
+SELECT m, t.tenant_id, t.app_id, 'fcm', 'd1.example', v, 1 + (extract(epoch from m)::bigint %% 50)
+FROM generate_series(%(start)s::timestamptz, %(end)s::timestamptz - interval '1 hour',
+                     interval '1 hour') AS m
 CROSS JOIN (SELECT unnest(%(tenants)s::bigint[]) AS tenant_id,
                    unnest(%(apps)s::bigint[]) AS app_id) t
 CROSS JOIN unnest(ARRAY['accepted', 'rate-limited']) AS v
