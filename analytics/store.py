@@ -51,7 +51,11 @@ def replace_days(
     fs = _HadoopFs(spark, _root(output))
     for day in days:
         fs.delete(f"{name}/day={day.isoformat()}")
-    frame.write.mode("append").partitionBy("day").parquet(f"{_root(output)}/{name}")
+    # One file per day: the aggregates are small, and every later read of a day (anomalies,
+    # exports) pays per file, not per row.
+    frame.repartition("day").write.mode("append").partitionBy("day").parquet(
+        f"{_root(output)}/{name}"
+    )
 
 
 def read_days(
