@@ -146,6 +146,43 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
         return summary
 
     tenant_names, app_names = _names_frames(spark, tenants, apps)
+    _compute_days(spark, config, changed, stats, summary, say, tenant_names, app_names)
+    say("anomalies against the previous 7 days")
+    anomaly_rows = _anomalies(spark, config, set(stored) | set(changed), tenants, apps)
+
+    outputs = _collect_outputs(spark, config, changed)
+    if config.primary is not None:
+        say(f"loading the daily aggregates into {config.primary.describe()}")
+        summary.loaded = writer.load(
+            config.primary,
+            [
+                ("relay_reportusage", changed, outputs["usage"]),
+                ("relay_reportregistrations", changed, outputs["registrations"]),
+                ("relay_reportdomain", changed, outputs["top_domains"]),
+                ("relay_reporterrorcode", changed, outputs["error_codes"]),
+                ("relay_reportanomaly", days, anomaly_rows),
+            ],
+        )
+    say("HTML report and monthly exports")
+    summary.files = _write_files(spark, config, anomaly_rows)
+    store.write_fingerprints(spark, config.output, {**stored, **{d: current[d] for d in changed}})
+    summary.seconds = time.monotonic() - started
+    rate = summary.rows_read / summary.seconds if summary.seconds else 0.0
+    say(f"done: {len(changed)} day(s), {summary.rows_read} row(s) ({rate:,.0f} rows/s)")
+    return summary
+
+
+def _compute_days(
+    spark: SparkSession,
+    config: JobConfig,
+    changed: list[date],
+    stats: dict[date, dict[str, sources.DayStats]],
+    summary: RunSummary,
+    say: Progress,
+    tenant_names: DataFrame,
+    app_names: DataFrame,
+) -> None:
+    """Read the changed days and replace them in every Parquet dataset but the anomalies."""
     expected = sum(
         stats.get(day, {}).get(source.name, sources.DayStats(0, 0, 0, 0)).rows
         for day in changed
@@ -198,7 +235,15 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
         changed,
     )
 
-    say("anomalies against the previous 7 days")
+
+def _anomalies(
+    spark: SparkSession,
+    config: JobConfig,
+    reported: set[date],
+    tenants: dict[int, str],
+    apps: dict[int, str],
+) -> list[dict[str, Any]]:
+    """The range's anomalies from the Parquet history (7 days back), replaced in Parquet."""
     first = config.since - timedelta(days=7)
     usage_history = store.read_days(
         spark, config.output, "usage", first, config.until, reports.USAGE_SCHEMA
@@ -213,9 +258,8 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
         "pushes_sent long, failed long, failure_rate double",
     )
     # Only days whose seven previous days are all reported have a baseline to compare with.
-    reported = set(stored) | set(changed)
     comparable = [
-        day for day in days if all(day - timedelta(days=k) in reported for k in range(1, 8))
+        day for day in config.days if all(day - timedelta(days=k) in reported for k in range(1, 8))
     ]
     anomaly_rows = reports.anomalies(
         reports.baselines(usage_history, domain_history, comparable), config.thresholds
@@ -232,29 +276,9 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
             anomaly_rows,
             reports.ANOMALY_SCHEMA + ", tenant_name string, app_name string, detail string",
         ),
-        days,
+        config.days,
     )
-
-    outputs = _collect_outputs(spark, config, changed)
-    if config.primary is not None:
-        say(f"loading the daily aggregates into {config.primary.describe()}")
-        summary.loaded = writer.load(
-            config.primary,
-            [
-                ("relay_reportusage", changed, outputs["usage"]),
-                ("relay_reportregistrations", changed, outputs["registrations"]),
-                ("relay_reportdomain", changed, outputs["top_domains"]),
-                ("relay_reporterrorcode", changed, outputs["error_codes"]),
-                ("relay_reportanomaly", days, anomaly_rows),
-            ],
-        )
-    say("HTML report and monthly exports")
-    summary.files = _write_files(spark, config, anomaly_rows)
-    store.write_fingerprints(spark, config.output, {**stored, **{d: current[d] for d in changed}})
-    summary.seconds = time.monotonic() - started
-    rate = summary.rows_read / summary.seconds if summary.seconds else 0.0
-    say(f"done: {len(changed)} day(s), {summary.rows_read} row(s) ({rate:,.0f} rows/s)")
-    return summary
+    return anomaly_rows
 
 
 def _read(
