@@ -15,22 +15,11 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from analytics.config import Thresholds
+from analytics.schema import COUNT_COLUMNS
 
 ACCURACY = 10_000
 PERCENTILES = (0.5, 0.95, 0.99)
 
-COUNT_COLUMNS = (
-    "publishes_received",
-    "pushes_sent",
-    "delivered",
-    "dead_tokens",
-    "retried",
-    "failed",
-    "coalesced",
-    "rate_limited",
-    "refused",
-    "unavailable",
-)
 
 # grouping_id() over (day, tenant_id, app_id, provider): which columns a row sums over.
 LEVELS = {0: "provider", 1: "app", 3: "tenant", 7: "all"}

@@ -19,6 +19,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from analytics.config import Database
+from analytics.schema import COUNT_COLUMNS
 
 # Every source of pushes becomes rows of this shape; counts are per row (a tally row carries
 # many publishes), latency only where a provider answered a delivered push.
@@ -28,16 +29,7 @@ FACT_COLUMNS = (
     "app_id",
     "provider",
     "publishing_domain",
-    "publishes_received",
-    "pushes_sent",
-    "delivered",
-    "dead_tokens",
-    "retried",
-    "failed",
-    "coalesced",
-    "rate_limited",
-    "refused",
-    "unavailable",
+    *COUNT_COLUMNS,
     "latency_ms",
     "outcome",
     "error_code",
@@ -267,6 +259,19 @@ def predicates(
     return clauses
 
 
+def _jdbc(
+    spark: SparkSession, db: Database, source: Source, clauses: list[str], fetch_size: int
+) -> DataFrame:
+    """A source's rows, one JDBC partition (one query) per WHERE clause; the columns the
+    caller selects are the only ones PostgreSQL sends."""
+    return spark.read.jdbc(
+        db.jdbc_url,
+        source.read_from or source.table,
+        predicates=clauses,
+        properties={**db.jdbc_properties, "fetchsize": str(fetch_size)},
+    )
+
+
 def read_facts(
     spark: SparkSession,
     db: Database,
@@ -286,12 +291,7 @@ def read_facts(
         if not clauses:
             continue
         partitions += len(clauses)
-        rows = spark.read.jdbc(
-            db.jdbc_url,
-            source.read_from or source.table,
-            predicates=clauses,
-            properties={**db.jdbc_properties, "fetchsize": str(fetch_size)},
-        ).select(*source.columns)
+        rows = _jdbc(spark, db, source, clauses, fetch_size).select(*source.columns)
         frames.append(source.facts(rows).select(*FACT_COLUMNS))
     if not frames:
         return empty_facts(spark), 0
@@ -322,12 +322,7 @@ def read_latencies(
         ]
         if not clauses:
             continue
-        rows = spark.read.jdbc(
-            db.jdbc_url,
-            source.read_from or source.table,
-            predicates=clauses,
-            properties={**db.jdbc_properties, "fetchsize": str(fetch_size)},
-        ).select(*source.latency_columns)
+        rows = _jdbc(spark, db, source, clauses, fetch_size).select(*source.latency_columns)
         frames.append(source.latencies(rows).select(*LATENCY_COLUMNS))
     if not frames:
         return spark.createDataFrame(

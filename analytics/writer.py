@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 
 from analytics.config import Database
+from analytics.schema import COUNT_COLUMNS
 
 # table -> columns, in the order rows are inserted (ids are the database's).
 TABLES: dict[str, tuple[str, ...]] = {
@@ -25,16 +26,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         "app_id",
         "app_name",
         "provider",
-        "publishes_received",
-        "pushes_sent",
-        "delivered",
-        "dead_tokens",
-        "retried",
-        "failed",
-        "coalesced",
-        "rate_limited",
-        "refused",
-        "unavailable",
+        *COUNT_COLUMNS,
         "success_rate",
         "latency_p50_ms",
         "latency_p95_ms",
