@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 export TEST_DATABASE_URL TEST_BROKER_URL TEST_CACHE_URL
 WITH_SERVICES := $(BIN)/python -m tests.support.services --
 SYSTEM_PACKAGES := python3-venv postgresql redis-server prosody prosody-modules lua-unbound ejabberd \
-	chromium chromium-driver libpostgresql-jdbc-java systemd
+	chromium chromium-driver libpostgresql-jdbc-java systemd openjdk-17-jre-headless
 
 .PHONY: run test test-postgres test-defaults lint bench system-deps venv migrate clean
 
@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(WITH_SERVICES) $(BIN)/python bench/api.py
 	$(WITH_SERVICES) $(BIN)/python bench/hostile.py
 	$(WITH_SERVICES) $(BIN)/python bench/broker_window.py
+	$(WITH_SERVICES) $(BIN)/python bench/analytics.py
 
 clean:
 	rm -rf $(VENV) var

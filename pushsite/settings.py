@@ -376,6 +376,10 @@ def env_rate(name: str, default: str) -> tuple[int, float]:
     return int(count), float(seconds or 60)
 
 
+# --- Reports (analytics/, docs/reports.md): delivery records, registration events and publish
+# tallies older than this many days are pruned by `manage.py prune_records` (beat task below).
+RELAY["RETENTION_DAYS"] = env_int("RELAY_RETENTION_DAYS", 90)
+
 # --- Windows (UWPX-style) clients: the JSON API and the TLS listener (docs/windows-api.md).
 RELAY.update(
     {
@@ -455,6 +459,40 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env_float("RELAY_REGISTRATION_CLEANUP_SECONDS", 6 * 3600.0),
     },
 }
+
+
+def _beat_time(name: str, default: str) -> tuple[int, int] | None:
+    """A daily time "HH:MM" (UTC) from the environment; empty turns the task off."""
+    value = os.environ.get(name, default).strip()
+    if not value:
+        return None
+    try:
+        hour, minute = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be HH:MM (UTC) or empty") from None
+    return hour, minute
+
+
+# The daily Spark reports (analytics/jobs.py, in a process of its own): on by default once a
+# read replica is configured (ANALYTICS_DATABASE_URL), at RELAY_REPORTS_AT.
+_reports_at = _beat_time(
+    "RELAY_REPORTS_AT", "02:30" if os.environ.get("ANALYTICS_DATABASE_URL") else ""
+)
+# Pruning what is older than RELAY_RETENTION_DAYS, at RELAY_PRUNE_AT.
+_prune_at = _beat_time("RELAY_PRUNE_AT", "03:30")
+if _reports_at or _prune_at:
+    from celery.schedules import crontab
+
+    if _reports_at:
+        CELERY_BEAT_SCHEDULE["daily-reports"] = {
+            "task": "relay.run_daily_reports",
+            "schedule": crontab(hour=_reports_at[0], minute=_reports_at[1]),
+        }
+    if _prune_at:
+        CELERY_BEAT_SCHEDULE["prune-records"] = {
+            "task": "relay.prune_records",
+            "schedule": crontab(hour=_prune_at[0], minute=_prune_at[1]),
+        }
 
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()
 LOGGING = {

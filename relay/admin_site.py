@@ -46,7 +46,10 @@ class RelayAdminSite(admin.AdminSite):
     site_url = None  # the service has no public site to go back to
 
     def get_urls(self) -> list[URLResolver | URLPattern]:
+        from relay import admin_reports  # registers the report pages and their models
+
         extra = [
+            *admin_reports.urls(self),
             path("health/", self.admin_view(self.health_view), name="health"),
             path("usage/", self.admin_view(self.usage_view), name="usage"),
         ]

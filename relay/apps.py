@@ -6,4 +6,4 @@ class RelayConfig(AppConfig):
     verbose_name = "Push relay"
 
     def ready(self) -> None:
-        from relay import checks  # noqa: F401 -- registers the system checks
+        from relay import checks, report_checks  # noqa: F401 -- registers the system checks

@@ -131,3 +131,19 @@ def remove_unused_registrations() -> int:
     from relay.services import registrations
 
     return registrations.remove_unused_registrations()
+
+
+@shared_task(name="relay.prune_records", ignore_result=True)
+def prune_records() -> int:
+    """Beat task: records older than RELAY_RETENTION_DAYS."""
+    from relay.services import retention
+
+    return sum(retention.prune().values())
+
+
+@shared_task(name="relay.run_daily_reports", ignore_result=True)
+def run_daily_reports() -> int:
+    """Beat task: the Spark reports of yesterday and today, in a process of their own."""
+    from relay.services import reports
+
+    return reports.run_reports()

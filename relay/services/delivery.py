@@ -52,7 +52,7 @@ from django.utils import timezone
 from relay.models import App, DeadLetter, Delivery, Outcome, Priority, Registration
 from relay.providers import limits, registry
 from relay.providers.base import SendResult, Wakeup
-from relay.services import queue, throttling
+from relay.services import lifecycle, queue, throttling
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -407,6 +407,7 @@ def _write(book: Bookkeeping) -> None:
             Registration.objects.filter(pk__in=book.dead, dead_since__isnull=True).update(
                 dead_since=now
             )
+            lifecycle.died(book.dead, at=now)
         if book.delivered:
             stale = now - timezone.timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
             Registration.objects.filter(

@@ -39,7 +39,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from relay.models import Registration
-from relay.services import queue, throttling
+from relay.services import queue, tallies, throttling
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,9 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
         else:
             log.info("publish.coalesced", extra={"push_id": into})
             verdicts[item.index] = Verdict.ACCEPTED
-    return [verdict or Verdict.UNAVAILABLE for verdict in verdicts]
+    answers = [verdict or Verdict.UNAVAILABLE for verdict in verdicts]
+    tallies.record_verdicts(publishes, found, answers, folded={item.index for item, _ in folded})
+    return answers
 
 
 def _check(

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from relay.identifiers import account_hash, new_node, new_secret
 from relay.models import Component, DeadLetter, Delivery, Registration, Service, Tenant
-from relay.services import channels, throttling
+from relay.services import channels, lifecycle, throttling
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ def register_device(
                 dead_since=None,
                 updated=timezone.now(),
             )
+            lifecycle.renewed(registration, token=token)
             return RegistrationAnswer(component.jid, registration.node, registration.secret)
         if not admitted:
             tenant = Tenant.objects.only("pk", "created").get(pk=component.tenant_id)
@@ -113,6 +114,7 @@ def register_device(
                     node=new_node(),
                     secret=new_secret(),
                 )
+                lifecycle.created([registration])
             _counted(tenant.pk, domain)
             return RegistrationAnswer(component.jid, registration.node, registration.secret)
         except IntegrityError:
@@ -127,9 +129,11 @@ def unregister_device(
 ) -> None:
     device_hash = account_hash(bare_jid, device_id)
     room_hash = account_hash(room_jid, device_id) if room_jid else ""
-    deleted, _ = Registration.objects.filter(
-        app_id=component.app_id, service=service, device_hash=device_hash, room_hash=room_hash
-    ).delete()
+    deleted, _ = lifecycle.delete_logged(
+        Registration.objects.filter(
+            app_id=component.app_id, service=service, device_hash=device_hash, room_hash=room_hash
+        )
+    )
     if not deleted:
         raise UnknownRegistration
 
@@ -254,7 +258,7 @@ def remove_unused_registrations(
     removed = 0
     while batch := list(unused.order_by().values_list("id", flat=True)[:1000]):
         # Checked again in the DELETE: a push may have arrived since the batch was read.
-        _, deleted = unused.filter(id__in=batch).delete()
+        _, deleted = lifecycle.delete_logged(unused.filter(id__in=batch))
         removed += deleted.get(Registration._meta.label, 0)
     forget_counts()
     log.info("registration.unused_removed", extra={"registrations": removed, "days": days})

@@ -34,7 +34,7 @@ from slixmpp.jid import JID, InvalidJID
 
 from relay.identifiers import new_node, new_secret
 from relay.models import App, Component, Registration, Service, WnsDevice
-from relay.services import channels, queue, test_push
+from relay.services import channels, lifecycle, queue, test_push
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +290,12 @@ def set_channel_uri(*, app: App, device_id: str, channel_uri: str) -> None:
         )
         if not created:
             WnsDevice.objects.filter(pk=device.pk).update(channel_uri=channel_uri, updated=now)
-            Registration.objects.filter(wns_device=device).update(
-                token=channel_uri, dead_since=None, updated=now
+            lifecycle.renew_logged(
+                Registration.objects.filter(wns_device=device),
+                token=channel_uri,
+                dead_since=None,
+                updated=now,
+                at=now,
             )
     log.info("uwpx.channel_uri_set", extra={"app": app.pk, "new_device": created})
 
@@ -363,13 +367,18 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
     keep = {item.device_hash for item in wanted}
     gone = [reg.pk for digest, reg in existing.items() if digest not in keep]
     if gone:
-        Registration.objects.filter(pk__in=gone).delete()
+        lifecycle.delete_logged(Registration.objects.filter(pk__in=gone))
     now = timezone.now()
     kept = [existing[item.device_hash].pk for item in wanted if item.device_hash in existing]
     if kept:
         assert component is not None
-        Registration.objects.filter(pk__in=kept).update(
-            component=component, token=device.channel_uri, dead_since=None, updated=now
+        lifecycle.renew_logged(
+            Registration.objects.filter(pk__in=kept),
+            component=component,
+            token=device.channel_uri,
+            dead_since=None,
+            updated=now,
+            at=now,
         )
     for item in wanted:
         reg = existing.get(item.device_hash)
@@ -393,6 +402,7 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
     ]
     if new:
         Registration.objects.bulk_create(new)
+        lifecycle.created(new, at=now)
     created = {reg.device_hash: reg for reg in new}
     WnsDevice.objects.filter(pk=device.pk).update(updated=now)
     answers = []
@@ -461,6 +471,7 @@ def remove_stale_devices(
         )
         if not batch:
             break
+        lifecycle.delete_logged(Registration.objects.filter(wns_device_id__in=batch))
         WnsDevice.objects.filter(id__in=batch).delete()
         removed += len(batch)
     log.info("uwpx.stale_devices_removed", extra={"devices": removed, "days": days})

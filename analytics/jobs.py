@@ -1,0 +1,381 @@
+"""The daily reports job: `python -m analytics.jobs`, or `spark-submit analytics/jobs.py`.
+
+No Django: the same file runs under `manage.py run_reports` (which starts it as a process),
+the Celery beat task, and `spark-submit --master spark://...` on a standalone cluster.
+
+One run, for the days --since..--until (UTC):
+
+1. asks the replica for each day's fingerprint (rows, id range and a checksum per source,
+   one aggregate statement) and compares it with the fingerprints stored with the outputs:
+   a day already reported and unchanged is not read again;
+2. reads the changed days' rows over JDBC, a partition per day (big days cut into id
+   ranges), filters and column choice pushed down to PostgreSQL;
+3. computes usage, latency, registrations, publishing domains and error codes, and replaces
+   those days in the Parquet outputs (so a re-run is idempotent);
+4. recomputes the anomalies of the range from the Parquet history (7 days back);
+5. loads the daily aggregates into the primary (one transaction, the days replaced);
+6. writes the HTML report and the monthly CSV exports, then the new fingerprints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import date, timedelta
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    # Run as a file by spark-submit: import `analytics` from the checkout, and not this
+    # folder's modules as top-level ones (they would shadow the standard library's).
+    _here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if not p or str(Path(p).resolve()) != _here]
+    sys.path.insert(0, str(Path(_here).parent))
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from analytics import exports, report_page, reports, sources, store, writer
+from analytics.config import ConfigError, JobConfig, from_args
+
+# Part of every fingerprint: a change to how reports are computed invalidates stored days.
+JOB_VERSION = "1"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class RunSummary:
+    days: list[date]
+    changed: list[date]
+    rows_read: int = 0
+    partitions: int = 0
+    seconds: float = 0.0
+    loaded: dict[str, int] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+
+def session(config: JobConfig) -> SparkSession:
+    """A SparkSession for the job: the given master, the one spark-submit set, or local[*]."""
+    builder = SparkSession.builder.appName("relay-reports")
+    if config.master:
+        builder = builder.master(config.master)
+    elif "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
+        builder = builder.master("local[*]")
+    spark = (
+        builder.config("spark.jars", config.jdbc_jar)
+        .config("spark.driver.memory", config.driver_memory)
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.shuffle.partitions", os.environ.get("ANALYTICS_SHUFFLE_PARTITIONS", "4"))
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    # py4j logs every connection it closes at INFO, even while the interpreter shuts down.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    return spark
+
+
+def fingerprint(day_stats: dict[str, sources.DayStats]) -> str:
+    parts = [JOB_VERSION]
+    for source in sources.SOURCES:
+        stat = day_stats.get(source.name)
+        parts.append(
+            f"{source.name}:-"
+            if stat is None
+            else f"{source.name}:{stat.rows}:{stat.min_id}:{stat.max_id}:{stat.checksum}"
+        )
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def _names_frames(
+    spark: SparkSession, tenants: dict[int, str], apps: dict[int, str]
+) -> tuple[DataFrame, DataFrame]:
+    return (
+        F.broadcast(
+            spark.createDataFrame(list(tenants.items()), "tenant_id long, tenant_name string")
+        ),
+        F.broadcast(spark.createDataFrame(list(apps.items()), "app_id long, app_name string")),
+    )
+
+
+def _named(frame: DataFrame, tenant_names: DataFrame, app_names: DataFrame | None) -> DataFrame:
+    frame = frame.join(tenant_names, "tenant_id", "left")
+    if app_names is not None:
+        frame = frame.join(app_names, "app_id", "left")
+    filled = {"tenant_name": ""} | ({"app_name": ""} if app_names is not None else {})
+    return frame.fillna(filled)
+
+
+def _rows(frame: DataFrame) -> list[dict[str, Any]]:
+    return [row.asDict() for row in frame.collect()]
+
+
+def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> RunSummary:
+    started = time.monotonic()
+
+    def say(message: str) -> None:
+        progress(f"[reports {time.monotonic() - started:6.1f}s] {message}")
+
+    days = config.days
+    say(f"days {config.since}..{config.until} from {config.source.describe()}")
+    tenants, apps = sources.names(spark, config.source)
+    stats = sources.day_stats(spark, config.source, config.since, config.until)
+    current = {day: fingerprint(stats.get(day, {})) for day in days}
+    stored = store.read_fingerprints(spark, config.output)
+    changed = [day for day in days if config.force or stored.get(day) != current[day]]
+    summary = RunSummary(days=days, changed=changed)
+    say(
+        f"{len(days)} day(s), {len(changed)} to compute"
+        + (f": {', '.join(str(d) for d in changed)}" if 0 < len(changed) <= 10 else "")
+        + (
+            f"; {len(days) - len(changed)} unchanged, not read again"
+            if len(changed) < len(days)
+            else ""
+        )
+    )
+    if not changed:
+        summary.seconds = time.monotonic() - started
+        say("nothing changed")
+        return summary
+
+    tenant_names, app_names = _names_frames(spark, tenants, apps)
+    _compute_days(spark, config, changed, stats, summary, say, tenant_names, app_names)
+    say("anomalies against the previous 7 days")
+    anomaly_rows = _anomalies(spark, config, set(stored) | set(changed), tenants, apps)
+
+    outputs = _collect_outputs(spark, config, changed)
+    if config.primary is not None:
+        say(f"loading the daily aggregates into {config.primary.describe()}")
+        summary.loaded = writer.load(
+            config.primary,
+            [
+                ("relay_reportusage", changed, outputs["usage"]),
+                ("relay_reportregistrations", changed, outputs["registrations"]),
+                ("relay_reportdomain", changed, outputs["top_domains"]),
+                ("relay_reporterrorcode", changed, outputs["error_codes"]),
+                ("relay_reportanomaly", days, anomaly_rows),
+            ],
+        )
+    say("HTML report and monthly exports")
+    summary.files = _write_files(spark, config, anomaly_rows)
+    store.write_fingerprints(spark, config.output, {**stored, **{d: current[d] for d in changed}})
+    summary.seconds = time.monotonic() - started
+    rate = summary.rows_read / summary.seconds if summary.seconds else 0.0
+    say(f"done: {len(changed)} day(s), {summary.rows_read} row(s) ({rate:,.0f} rows/s)")
+    return summary
+
+
+def _compute_days(
+    spark: SparkSession,
+    config: JobConfig,
+    changed: list[date],
+    stats: dict[date, dict[str, sources.DayStats]],
+    summary: RunSummary,
+    say: Progress,
+    tenant_names: DataFrame,
+    app_names: DataFrame,
+) -> None:
+    """Read the changed days and replace them in every Parquet dataset but the anomalies."""
+    expected = sum(
+        stats.get(day, {}).get(source.name, sources.DayStats(0, 0, 0, 0)).rows
+        for day in changed
+        for source in sources.SOURCES
+        if source.facts is not None
+    )
+    facts, partitions = sources.read_facts(
+        spark, config.source, changed, stats, rows_per_partition=config.rows_per_partition
+    )
+    summary.partitions = partitions
+    say(f"reading {expected} row(s) in {partitions} JDBC partition(s), summing them")
+    # One pass over the rows sums them by the finest key every report needs (small); the
+    # percentiles need each latency, so delivered pushes' latencies are a second, narrow read.
+    sums = reports.summed(facts).persist(StorageLevel.MEMORY_AND_DISK)
+    summary.rows_read = int(sums.agg(F.sum("rows")).first()[0] or 0)
+    say(f"read {summary.rows_read} row(s); usage and latency percentiles")
+    latencies = sources.read_latencies(
+        spark, config.source, changed, stats, rows_per_partition=config.rows_per_partition
+    )
+    usage = _named(reports.usage(sums, latencies), tenant_names, app_names)
+    store.replace_days(spark, config.output, "usage", usage, changed)
+    say("publishing domains and error codes")
+    store.replace_days(
+        spark,
+        config.output,
+        "domains",
+        _named(reports.domains(sums), tenant_names, None),
+        changed,
+    )
+    store.replace_days(
+        spark,
+        config.output,
+        "error_codes",
+        _named(reports.error_codes(sums), tenant_names, app_names),
+        changed,
+    )
+    sums.unpersist()
+
+    say("registrations")
+    registration_rows = reports.registrations(
+        _rows(sources.jdbc_query(spark, config.source, sources.registration_sql(min(changed)))),
+        changed,
+    )
+    registrations = spark.createDataFrame(registration_rows, reports.REGISTRATION_SCHEMA)
+    store.replace_days(
+        spark,
+        config.output,
+        "registrations",
+        _named(registrations, tenant_names, app_names),
+        changed,
+    )
+
+
+def _anomalies(
+    spark: SparkSession,
+    config: JobConfig,
+    reported: set[date],
+    tenants: dict[int, str],
+    apps: dict[int, str],
+) -> list[dict[str, Any]]:
+    """The range's anomalies from the Parquet history (7 days back), replaced in Parquet."""
+    first = config.since - timedelta(days=7)
+    usage_history = store.read_days(
+        spark, config.output, "usage", first, config.until, reports.USAGE_SCHEMA
+    )
+    domain_history = store.read_days(
+        spark,
+        config.output,
+        "domains",
+        first,
+        config.until,
+        "day date, tenant_id long, publishing_domain string, publishes_received long, "
+        "pushes_sent long, failed long, failure_rate double",
+    )
+    # Only days whose seven previous days are all reported have a baseline to compare with.
+    comparable = [
+        day for day in config.days if all(day - timedelta(days=k) in reported for k in range(1, 8))
+    ]
+    anomaly_rows = reports.anomalies(
+        reports.baselines(usage_history, domain_history, comparable), config.thresholds
+    )
+    for row in anomaly_rows:
+        row["tenant_name"] = tenants.get(row["tenant_id"], "")
+        row["app_name"] = apps.get(row["app_id"], "") if row["app_id"] is not None else ""
+        row["detail"] = reports.describe_anomaly(row)
+    store.replace_days(
+        spark,
+        config.output,
+        "anomalies",
+        spark.createDataFrame(
+            anomaly_rows,
+            reports.ANOMALY_SCHEMA + ", tenant_name string, app_name string, detail string",
+        ),
+        config.days,
+    )
+    return anomaly_rows
+
+
+def _read(
+    spark: SparkSession, config: JobConfig, name: str, first: date, last: date, schema: str
+) -> DataFrame:
+    return store.read_days(spark, config.output, name, first, last, schema)
+
+
+def _collect_outputs(
+    spark: SparkSession, config: JobConfig, days: list[date]
+) -> dict[str, list[dict[str, Any]]]:
+    """The changed days' rows as the primary stores them (top domains only)."""
+    first, last = min(days), max(days)
+    wanted = F.col("day").isin(days)
+    domains = _read(spark, config, "domains", first, last, DOMAIN_SCHEMA).where(wanted)
+    return {
+        "usage": _rows(_read(spark, config, "usage", first, last, NAMED_USAGE).where(wanted)),
+        "registrations": _rows(
+            _read(spark, config, "registrations", first, last, NAMED_REGISTRATIONS).where(wanted)
+        ),
+        "top_domains": _rows(
+            reports.top_domains(
+                domains, top=config.top_domains, min_sends=config.min_sends_for_failure_rank
+            )
+        ),
+        "error_codes": _rows(
+            _read(spark, config, "error_codes", first, last, ERROR_SCHEMA).where(wanted)
+        ),
+    }
+
+
+NAMED_USAGE = reports.USAGE_SCHEMA + ", tenant_name string, app_name string"
+NAMED_REGISTRATIONS = reports.REGISTRATION_SCHEMA + ", tenant_name string, app_name string"
+DOMAIN_SCHEMA = (
+    "day date, tenant_id long, publishing_domain string, publishes_received long, "
+    "pushes_sent long, failed long, failure_rate double, tenant_name string"
+)
+ERROR_SCHEMA = (
+    "day date, tenant_id long, app_id long, provider string, outcome string, "
+    "error_code string, count long, tenant_name string, app_name string"
+)
+
+
+def _write_files(
+    spark: SparkSession, config: JobConfig, anomaly_rows: list[dict[str, Any]]
+) -> list[str]:
+    """The HTML report of the range and the CSV exports of every month it touches."""
+    config.export_dir.mkdir(parents=True, exist_ok=True)
+    months = exports.months_of(config.days)
+    first = min(config.since, months[0])
+    last = max(config.until, exports.month_bounds(months[-1])[1])
+    usage = _rows(_read(spark, config, "usage", first, last, NAMED_USAGE))
+    registrations = _rows(_read(spark, config, "registrations", first, last, NAMED_REGISTRATIONS))
+    in_range = lambda row: config.since <= row["day"] <= config.until  # noqa: E731
+    domains = _read(spark, config, "domains", config.since, config.until, DOMAIN_SCHEMA)
+    page = report_page.render(
+        since=config.since,
+        until=config.until,
+        days=config.days,
+        usage_rows=[row for row in usage if in_range(row)],
+        registration_rows=[row for row in registrations if in_range(row)],
+        domain_rows=_rows(
+            reports.top_domains(
+                domains, top=config.top_domains, min_sends=config.min_sends_for_failure_rank
+            )
+        ),
+        error_rows=_rows(
+            _read(spark, config, "error_codes", config.since, config.until, ERROR_SCHEMA)
+        ),
+        anomaly_rows=anomaly_rows,
+    )
+    report = config.export_dir / f"report-{config.since}-{config.until}.html"
+    report.write_text(page, encoding="utf-8")
+    files = [str(report)]
+    for month in months:
+        files += [
+            str(path)
+            for path in exports.write_month(config.export_dir, month, usage, registrations)
+        ]
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = from_args(argv)
+    except ConfigError as error:
+        print(f"analytics.jobs: {error}", file=sys.stderr)
+        return 2
+    spark = session(config)
+    try:
+        summary = run(spark, config, progress=lambda line: print(line, flush=True))
+    finally:
+        spark.stop()
+    for path in summary.files:
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The registration lifecycle log the reports read (created, token renewed, died, removed).
+
+Each change to registrations is recorded by one call placed right beside it in the service
+that makes it (registrations, uwpx, delivery), so the log holds exactly what happened and
+nothing else: ids, app, provider and time, never the token, JID, node or secret. Events of
+one change are bulk-inserted in one statement.
+
+`live_change` says how the number of live registrations moved (see `RegistrationEvent`):
+the reports rebuild the live count of any past day from today's count and the changes since.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from relay.models import App, Registration
+from relay.report_models import RegistrationEvent, RegistrationEventKind
+
+_FIELDS = ("id", "app_id", "app__tenant_id", "service", "token", "dead_since")
+
+
+def _tenants_of(app_ids: Iterable[int]) -> dict[int, int]:
+    return dict(App.objects.filter(pk__in=set(app_ids)).values_list("id", "tenant_id"))
+
+
+def _record(rows: Sequence[dict[str, Any]], kind: str, at: datetime) -> None:
+    """One insert for the events; `rows` carry id, app_id, app__tenant_id, service and the
+    event's live_change."""
+    if rows:
+        RegistrationEvent.objects.bulk_create(
+            [
+                RegistrationEvent(
+                    at=at,
+                    tenant_id=row["app__tenant_id"],
+                    app_id=row["app_id"],
+                    provider=row["service"],
+                    registration_id=row["id"],
+                    kind=kind,
+                    live_change=row["live_change"],
+                )
+                for row in rows
+            ]
+        )
+
+
+def created(registrations: Sequence[Registration], *, at: datetime | None = None) -> None:
+    """New registrations (saved, so they have ids): each is one more live registration."""
+    if not registrations:
+        return
+    tenants = _tenants_of(registration.app_id for registration in registrations)
+    _record(
+        [
+            {
+                "id": registration.pk,
+                "app_id": registration.app_id,
+                "app__tenant_id": tenants[registration.app_id],
+                "service": registration.service,
+                "live_change": 1,
+            }
+            for registration in registrations
+        ],
+        RegistrationEventKind.CREATED,
+        at or timezone.now(),
+    )
+
+
+def renewed(registration: Registration, *, token: str, at: datetime | None = None) -> None:
+    """The device registered again: a new token, or a dead registration brought back.
+
+    `registration` is the row as it was before the update. Re-registering the same live token
+    changes nothing and is not an event.
+    """
+    revived = registration.dead_since is not None
+    if registration.token == token and not revived:
+        return
+    _record(
+        [
+            {
+                "id": registration.pk,
+                "app_id": registration.app_id,
+                "app__tenant_id": _tenants_of([registration.app_id])[registration.app_id],
+                "service": registration.service,
+                "live_change": 1 if revived else 0,
+            }
+        ],
+        RegistrationEventKind.RENEWED,
+        at or timezone.now(),
+    )
+
+
+def renew_logged(
+    registrations: QuerySet[Registration], *, token: str, at: datetime | None = None, **fields: Any
+) -> int:
+    """`registrations.update(token=token, **fields)` that logs the renewals it makes (a new
+    token, or a dead registration revived when `dead_since=None` is among `fields`)."""
+    at = at or timezone.now()
+    reviving = "dead_since" in fields and fields["dead_since"] is None
+    with transaction.atomic():
+        rows = []
+        for row in registrations.values(*_FIELDS):
+            revived = reviving and row["dead_since"] is not None
+            if row["token"] != token or revived:
+                rows.append({**row, "live_change": 1 if revived else 0})
+        updated = registrations.update(token=token, **fields)
+        _record(rows, RegistrationEventKind.RENEWED, at)
+    return updated
+
+
+def died(registration_ids: Iterable[int], *, at: datetime) -> None:
+    """Called right after `dead_since=at` was set on the registrations that were still live:
+    those whose `dead_since` is exactly `at` are the ones this change killed."""
+    ids = set(registration_ids)
+    if not ids:
+        return
+    rows = [
+        {**row, "live_change": -1}
+        for row in Registration.objects.filter(pk__in=ids, dead_since=at).values(*_FIELDS)
+    ]
+    _record(rows, RegistrationEventKind.DIED, at)
+
+
+def delete_logged(
+    registrations: QuerySet[Registration], *, at: datetime | None = None
+) -> tuple[int, dict[str, int]]:
+    """`registrations.delete()` that logs a removal for each registration deleted."""
+    at = at or timezone.now()
+    with transaction.atomic():
+        rows = [
+            {**row, "live_change": -1 if row["dead_since"] is None else 0}
+            for row in registrations.select_for_update(of=("self",)).values(*_FIELDS)
+        ]
+        result = registrations.delete()
+        _record(rows, RegistrationEventKind.REMOVED, at)
+    return result

@@ -1,0 +1,498 @@
+"""The Spark reports against a real PostgreSQL primary and its streaming replica: known
+answers for every figure, incremental runs and re-runs, empty days, a day with one tenant,
+anomalies, the outputs (Parquet, primary tables, HTML, CSV) and what they must never hold.
+
+One SparkSession (local[2]) for the module, small data.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from datetime import date, timedelta
+from pathlib import Path
+
+import pytest
+
+from analytics import jobs, reports
+from analytics.config import Database, JobConfig, Thresholds
+from tests.analytics_data import (
+    D1,
+    D2,
+    D3,
+    PRIVATE,
+    ROOT,
+    ReportDatabase,
+    at,
+    delivered,
+    load_known_days,
+)
+from tests.support.spark_cluster import SPARK_HOME, SparkStandalone, spark_env
+
+DAYS = [D1, D2, D3]
+
+
+@pytest.fixture(scope="module")
+def database(tmp_path_factory):
+    db = ReportDatabase(tmp_path_factory.mktemp("reports-db"))
+    try:
+        load_known_days(db)
+        db.wait_for_replica()
+        yield db
+    finally:
+        db.close()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("reports-out")
+
+
+def make_config(
+    database: ReportDatabase, workdir: Path, since: date, until: date, **changes
+) -> JobConfig:
+    config = JobConfig(
+        source=Database.from_url(database.replica_url, setting="ANALYTICS_DATABASE_URL"),
+        primary=Database.from_url(database.url, setting="DATABASE_URL"),
+        output=str(workdir / "parquet"),
+        export_dir=workdir / "export",
+        since=since,
+        until=until,
+        master="local[2]",
+        driver_memory="1g",
+        rows_per_partition=4,  # several JDBC partitions per day even for small days
+        min_sends_for_failure_rank=2,
+        thresholds=Thresholds(volume_change=1.0, failure_rate_change=0.1, min_volume=50),
+    )
+    return replace(config, **changes)
+
+
+@pytest.fixture(scope="module")
+def spark(database, workdir):
+    session = jobs.session(make_config(database, workdir, D1, D3))
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def first_run(spark, database, workdir):
+    lines: list[str] = []
+    summary = jobs.run(spark, make_config(database, workdir, D1, D3), progress=lines.append)
+    return summary, lines
+
+
+def usage_rows(database, day: date) -> dict[tuple, tuple]:
+    rows = database.rows(
+        "SELECT level, tenant_name, app_name, provider, publishes_received, pushes_sent, "
+        "delivered, dead_tokens, retried, failed, coalesced, rate_limited, refused, unavailable, "
+        "success_rate, latency_p50_ms, latency_p95_ms, latency_p99_ms "
+        "FROM relay_reportusage WHERE day = %s",
+        (day,),
+    )
+    return {row[:4]: row[4:] for row in rows}
+
+
+def exact(values: list[float], p: float) -> float:
+    """The value of rank ceil(p * n): what percentile_approx returns within its accuracy."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p * len(ordered)) - 1)]
+
+
+def close_in_rank(value: float, values: list[float], p: float) -> bool:
+    """Within the documented approximation: rank error at most n / ACCURACY."""
+    ordered = sorted(values)
+    slack = math.ceil(len(ordered) / reports.ACCURACY)
+    rank = max(0, math.ceil(p * len(ordered)) - 1)
+    return value in ordered[max(0, rank - slack) : rank + slack + 1]
+
+
+ALPHA_FCM = [100, 200, 300, 400, 500, 600, 700]
+ALPHA_APNS = [50, 60, 70, 80]
+BETA_D1 = [1000, 2000, 3000]
+
+
+def latency(values: list[int]) -> tuple[float, float, float]:
+    return tuple(float(exact(values, p)) for p in reports.PERCENTILES)
+
+
+def test_usage_and_latency_per_level_on_a_day_with_both_tenants(first_run, database):
+    summary, _ = first_run
+    assert summary.changed == DAYS
+    assert summary.rows_read == 19 + 7 + 3  # deliveries of D1 and D2, tally rows
+    rows = usage_rows(database, D1)
+    # counts: received, sent, delivered, dead, retried, failed, coalesced, limited, refused,
+    # unavailable; then success rate and p50/p95/p99
+    assert rows[("provider", "alpha", "conv", "fcm")] == (
+        15,
+        10,
+        7,
+        1,
+        3,
+        2,
+        3,
+        2,
+        0,
+        0,
+        0.7,
+        *latency(ALPHA_FCM),
+    )
+    assert rows[("provider", "alpha", "conv", "")] == (
+        4,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        4,
+        0,
+        None,
+        None,
+        None,
+        None,
+    )
+    assert rows[("provider", "alpha", "conv", "apns")] == (
+        0,
+        4,
+        4,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        1.0,
+        *latency(ALPHA_APNS),
+    )
+    assert rows[("provider", "beta", "chat", "fcm")] == (
+        7,
+        5,
+        3,
+        0,
+        0,
+        2,
+        0,
+        0,
+        1,
+        1,
+        0.6,
+        *latency(BETA_D1),
+    )
+    alpha = (19, 14, 11, 1, 3, 2, 3, 2, 4, 0, 11 / 14, *latency(ALPHA_FCM + ALPHA_APNS))
+    assert rows[("app", "alpha", "conv", "")] == alpha
+    assert rows[("tenant", "alpha", "", "")] == alpha
+    everything = ALPHA_FCM + ALPHA_APNS + BETA_D1
+    assert rows[("all", "", "", "")] == (
+        26,
+        19,
+        14,
+        1,
+        3,
+        4,
+        3,
+        2,
+        5,
+        1,
+        14 / 19,
+        *latency(everything),
+    )
+    assert len(rows) == 4 + 2 + 2 + 1
+    # The documented approximation holds (here: exact, n is far below the accuracy).
+    p50 = rows[("all", "", "", "")][11]
+    assert close_in_rank(p50, everything, 0.5)
+
+
+def test_a_day_with_one_tenant_and_an_empty_day(first_run, database):
+    rows = usage_rows(database, D2)
+    assert set(rows) == {
+        ("provider", "beta", "chat", "fcm"),
+        ("app", "beta", "chat", ""),
+        ("tenant", "beta", "", ""),
+        ("all", "", "", ""),
+    }
+    assert rows[("tenant", "beta", "", "")] == (0, 3, 3, 0, 0, 0, 0, 0, 0, 0, 1.0, 20.0, 30.0, 30.0)
+    assert usage_rows(database, D3) == {}
+
+
+def test_registrations_live_and_lifecycle(first_run, database):
+    rows = database.rows(
+        "SELECT day, tenant_name, app_name, provider, active, new, renewed, died, removed "
+        "FROM relay_reportregistrations ORDER BY day, tenant_name, provider"
+    )
+    assert rows == [
+        (D1, "alpha", "conv", "apns", 1, 0, 0, 0, 0),
+        (D1, "alpha", "conv", "fcm", 2, 3, 1, 1, 0),
+        (D1, "beta", "chat", "fcm", 2, 2, 0, 0, 0),
+        (D2, "alpha", "conv", "apns", 1, 0, 0, 0, 0),
+        (D2, "alpha", "conv", "fcm", 2, 0, 0, 0, 0),
+        (D2, "beta", "chat", "fcm", 1, 0, 0, 0, 1),
+        (D3, "alpha", "conv", "apns", 1, 0, 0, 0, 0),
+        (D3, "alpha", "conv", "fcm", 2, 0, 0, 0, 0),
+        (D3, "beta", "chat", "fcm", 1, 0, 0, 0, 0),
+    ]
+
+
+def test_top_domains_and_error_codes(first_run, database):
+    domains = database.rows(
+        "SELECT tenant_name, publishing_domain, publishes_received, pushes_sent, failed, "
+        "failure_rate, rank_by_volume, rank_by_failure_rate FROM relay_reportdomain "
+        "WHERE day = %s ORDER BY tenant_name, rank_by_volume",
+        (D1,),
+    )
+    assert domains == [
+        ("alpha", "a.example", 15, 9, 0, 0.0, 1, None),
+        ("alpha", "x.example", 4, 0, 0, None, 2, None),
+        ("alpha", "b.example", 0, 5, 2, 0.4, 3, 1),
+        ("beta", "c.example", 7, 5, 2, 0.4, 1, 1),
+    ]
+    codes = database.rows(
+        "SELECT day, tenant_name, provider, outcome, error_code, count FROM relay_reporterrorcode "
+        "ORDER BY day, tenant_name, error_code"
+    )
+    assert codes == [
+        (D1, "alpha", "fcm", "failed", "SENDER_ID_MISMATCH", 2),
+        (D1, "alpha", "fcm", "dead_token", "UNREGISTERED", 1),
+        (D1, "beta", "fcm", "failed", "QUOTA_EXCEEDED", 2),
+    ]
+
+
+def test_parquet_is_partitioned_by_day(first_run, spark, workdir):
+    root = workdir / "parquet"
+    assert sorted(p.name for p in (root / "usage").iterdir() if p.name.startswith("day=")) == [
+        f"day={D1}",
+        f"day={D2}",
+    ]
+    frame = spark.read.parquet(str(root / "usage"))
+    assert frame.where(f"day = '{D1}' AND level = 'all'").count() == 1
+    assert sorted(
+        p.name for p in (root / "registrations").iterdir() if p.name.startswith("day=")
+    ) == [f"day={d}" for d in DAYS]
+
+
+def test_html_report_and_monthly_export(first_run, workdir):
+    _, lines = first_run
+    page = (workdir / "export" / f"report-{D1}-{D3}.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page
+    # Offline: no address to fetch anything from.
+    for external in ("http://", "https://", "src=", "<script", "<link"):
+        assert external not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "alpha" in page and "SENDER_ID_MISMATCH" in page
+    with (workdir / "export" / "monthly" / "2026-03" / "alpha.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    by_app = {(row["app"], row["provider"]): row for row in rows}
+    fcm = by_app[("conv", "fcm")]
+    assert (fcm["publishes_received"], fcm["pushes_sent"], fcm["delivered"]) == ("15", "10", "7")
+    assert (fcm["registrations_peak"], fcm["registrations_at_month_end"]) == ("2", "2")
+    total = by_app[("(all)", "(all)")]
+    assert (total["publishes_received"], total["pushes_sent"], total["delivered"]) == (
+        "19",
+        "14",
+        "11",
+    )
+    assert (total["registrations_peak"], total["days_in_month"]) == ("3", "31")
+    assert any("3 to compute" in line for line in lines)
+
+
+def test_no_private_value_in_any_output(first_run, database, workdir):
+    _, lines = first_run
+    blobs = ["\n".join(lines)]
+    for path in workdir.rglob("*"):
+        if path.is_file():
+            blobs.append(path.read_bytes().decode("latin-1"))
+    for table in (
+        "reportusage",
+        "reportregistrations",
+        "reportdomain",
+        "reporterrorcode",
+        "reportanomaly",
+    ):
+        blobs.append(repr(database.rows(f"SELECT * FROM relay_{table}")))
+    text = "\n".join(blobs)
+    for private in PRIVATE:
+        assert private not in text
+
+
+def test_an_unchanged_day_is_not_read_again_and_a_changed_one_is_replaced(
+    first_run, spark, database, workdir
+):
+    config = make_config(database, workdir, D1, D3)
+    again = jobs.run(spark, config, progress=lambda _: None)
+    assert again.changed == [] and again.rows_read == 0 and again.partitions == 0
+
+    # One more push on D2, and a D1 push redelivered (its row updated in place).
+    database.deliveries("beta", "fcm", delivered("c.example", [40], D2))
+    database.execute(
+        "UPDATE relay_delivery SET outcome = 'delivered', error_code = '', "
+        "sent = received + interval '5 ms', attempts = 2 WHERE id = ("
+        "SELECT min(id) FROM relay_delivery WHERE error_code = 'QUOTA_EXCEEDED')"
+    )
+    database.wait_for_replica()
+    before_d3 = database.rows("SELECT id FROM relay_reportregistrations WHERE day = %s", (D3,))
+    third = jobs.run(spark, config, progress=lambda _: None)
+    assert third.changed == [D1, D2]
+    assert usage_rows(database, D2)[("tenant", "beta", "", "")][:3] == (0, 4, 4)
+    beta_d1 = usage_rows(database, D1)[("tenant", "beta", "", "")]
+    assert beta_d1[1:6] == (5, 4, 0, 1, 1)  # sent, delivered, dead, retried, failed
+    # D3 was not touched: the same rows, not replaced ones.
+    assert (
+        database.rows("SELECT id FROM relay_reportregistrations WHERE day = %s", (D3,)) == before_d3
+    )
+
+    # A forced re-run replaces, never adds: the same figures, one copy.
+    snapshot = sorted(usage_rows(database, D1).items())
+    forced = jobs.run(spark, replace(config, force=True), progress=lambda _: None)
+    assert forced.changed == DAYS
+    assert sorted(usage_rows(database, D1).items()) == snapshot
+    assert spark.read.parquet(str(workdir / "parquet" / "usage")).where(
+        f"day = '{D1}'"
+    ).count() == len(snapshot)
+
+
+def test_anomalies_against_the_previous_seven_days(spark, database, tmp_path):
+    """beta: 100 publishes and 100 pushes a day, 1 failed; then a day of 400 and 30 failed."""
+    first = date(2026, 4, 1)
+    last = first + timedelta(days=7)
+    for offset in range(8):
+        day = first + timedelta(days=offset)
+        burst = day == last
+        database.tally("beta", "fcm", "c.example", "accepted", 400 if burst else 100, at(day))
+        failed = 30 if burst else 1
+        database.deliveries(
+            "beta",
+            "fcm",
+            delivered("c.example", [10] * (100 - failed), day)
+            + [
+                {
+                    "domain": "c.example",
+                    "received": at(day, 9000 + i),
+                    "latency": 0,
+                    "outcome": "failed",
+                    "code": "INTERNAL",
+                }
+                for i in range(failed)
+            ],
+        )
+    database.wait_for_replica()
+    config = make_config(database, tmp_path, first, last, rows_per_partition=500_000)
+    summary = jobs.run(spark, config, progress=lambda _: None)
+    assert summary.changed == [first + timedelta(days=n) for n in range(8)]
+    rows = database.rows(
+        "SELECT day, scope, tenant_name, app_name, publishing_domain, metric, value, baseline, "
+        "threshold, pushes_sent, detail FROM relay_reportanomaly ORDER BY scope, metric"
+    )
+    # Only the last day has a full 7-day history to compare with; the first seven are quiet.
+    assert {row[0] for row in rows} == {last}
+    found = {(row[1], row[5]): row for row in rows}
+    assert set(found) == {
+        (scope, metric)
+        for scope in ("app", "domain", "tenant")
+        for metric in ("failure_rate", "volume")
+    }
+    volume = found[("tenant", "volume")]
+    assert (volume[2], volume[6], volume[7], volume[8]) == ("beta", 400.0, 100.0, 1.0)
+    assert "400 publishes vs 100.0/day" in volume[10]
+    rate = found[("domain", "failure_rate")]
+    assert rate[4] == "c.example"
+    assert rate[6] == pytest.approx(0.30) and rate[7] == pytest.approx(0.01)
+    assert rate[9] == 100
+    assert found[("app", "volume")][3] == "chat"
+
+
+# --- the same job on a Spark standalone cluster, and through manage.py --------------------------
+
+
+def job_env(database: ReportDatabase, workdir: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "DATABASE_URL": database.url,
+        "ANALYTICS_DATABASE_URL": database.replica_url,
+        "ANALYTICS_OUTPUT": str(workdir / "parquet"),
+        "ANALYTICS_EXPORT_DIR": str(workdir / "export"),
+        "ANALYTICS_DRIVER_MEMORY": "1g",
+        "PYSPARK_PYTHON": sys.executable,
+        "VAR_DIR": str(workdir / "var"),
+    }
+
+
+def test_the_job_runs_unchanged_on_a_standalone_cluster(
+    first_run, spark, database, workdir, tmp_path
+):
+    """spark-submit of analytics/jobs.py to a real master and worker: the same figures."""
+    cluster = SparkStandalone().start()
+    try:
+        result = subprocess.run(
+            [
+                str(SPARK_HOME / "bin" / "spark-submit"),
+                "--master",
+                cluster.master_url,
+                "--jars",
+                "/usr/share/java/postgresql.jar",
+                "--driver-memory",
+                "1g",
+                "--executor-memory",
+                "512m",
+                "--conf",
+                "spark.ui.enabled=false",
+                str(ROOT / "analytics" / "jobs.py"),
+                "--since",
+                str(D1),
+                "--until",
+                str(D3),
+            ],
+            cwd=tmp_path,
+            env={**spark_env(cluster.workdir), **job_env(database, tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        [app] = cluster.completed_apps()
+        assert app["name"] == "relay-reports"
+    finally:
+        cluster.close()
+    assert "3 to compute" in result.stdout and "done: 3 day(s)" in result.stdout
+    for private in PRIVATE:
+        assert private not in result.stdout + result.stderr
+    # The cluster's figures are the local run's figures.
+    columns = [
+        "day",
+        "level",
+        "tenant_id",
+        "app_id",
+        "provider",
+        "publishes_received",
+        "pushes_sent",
+        "delivered",
+        "failed",
+        "latency_p50_ms",
+        "latency_p99_ms",
+    ]
+
+    def rows(root: Path) -> list:
+        frame = spark.read.parquet(str(root / "usage")).where(f"day <= '{D3}'")
+        return sorted(tuple(row) for row in frame.select(*columns).collect())
+
+    assert rows(tmp_path / "parquet") == rows(workdir / "parquet")
+
+
+def test_run_reports_command_shows_progress_and_refuses_a_bad_database(database, tmp_path):
+    env = job_env(database, tmp_path)
+    command = [sys.executable, "manage.py", "run_reports", "--since", str(D2), "--until", str(D2)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 day(s), 1 to compute" in done.stdout
+    assert "loading the daily aggregates" in done.stdout and "done: 1 day(s)" in done.stdout
+    assert (tmp_path / "export" / f"report-{D2}-{D2}.html").exists()
+
+    bad = {**env, "ANALYTICS_DATABASE_URL": "sqlite:///elsewhere.sqlite3"}
+    refused = subprocess.run(
+        command, cwd=ROOT, env=bad, capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode != 0
+    assert "ANALYTICS_DATABASE_URL must be a PostgreSQL URL" in refused.stderr
