@@ -166,8 +166,8 @@ def normalized(argv: list[str]) -> list[str]:
 
 def variables_the_code_reads() -> set[str]:
     pattern = re.compile(
-        r"(?:os\.environ\.get|os\.getenv|env_bool|env_int|env_float|env_list|env_rate)"
-        r"\(\s*\"([A-Z][A-Z0-9_]*)\"|os\.environ\[\s*\"([A-Z][A-Z0-9_]*)\"\s*\]"
+        r"(?:os\.environ\.get|os\.getenv|\benv\.get|\b_?env_[a-z]+|_beat_time)"
+        r"\(\s*(?:env,\s*)?\"([A-Z][A-Z0-9_]*)\"|os\.environ\[\s*\"([A-Z][A-Z0-9_]*)\"\s*\]"
     )
     found: set[str] = set()
     for package in ("pushsite", "relay", "xmppgateway", "analytics"):
