@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from slixmpp import ComponentXMPP
@@ -16,6 +18,11 @@ from relay.models import Component
 from xmppgateway import handlers
 
 log = logging.getLogger(__name__)
+
+# A hook that takes a raw stanza before slixmpp sees it; True means it was consumed.
+StanzaHook = Callable[[ET.Element], bool]
+_IQ = "{jabber:component:accept}iq"
+_PRESENCE = "{jabber:component:accept}presence"
 
 
 class AnyIq(MatcherBase):
@@ -37,6 +44,9 @@ class PushComponent(ComponentXMPP):
         max_field_length: int,
         answer_timeout: float = 15.0,
         accept_publish: handlers.AcceptPublish | None = None,
+        iq_set_handlers: Mapping[str, handlers.IqHandler] | None = None,
+        on_iq_answer: StanzaHook | None = None,
+        on_presence: StanzaHook | None = None,
     ) -> None:
         # fix_error_ns: without it Prosody cannot parse our errors and counts even `wait` ones.
         super().__init__(
@@ -47,10 +57,30 @@ class PushComponent(ComponentXMPP):
             max_field_length=max_field_length,
             run_blocking=run_blocking,
             accept_publish=accept_publish,
+            iq_set_handlers=iq_set_handlers or {},
         )
+        self.on_iq_answer = on_iq_answer
+        self.on_presence = on_presence
         self.answer_timeout = answer_timeout
         self.in_flight: set[asyncio.Task[Any]] = set()
         self.register_handler(CoroutineCallback("relay iq", AnyIq(), self._on_iq))
+
+    def _spawn_event(self, xml: ET.Element) -> None:
+        """UnifiedPush answers and presences are taken here, before slixmpp builds a stanza
+        object and matches it against every handler: that costs more than relaying the push.
+        (`_spawn_event` is slixmpp's own step from parsed XML to handlers; this override is
+        the one place we reach into it, and the UnifiedPush end-to-end tests cover it.)"""
+        tag = xml.tag
+        if tag == _IQ:
+            if (
+                self.on_iq_answer is not None
+                and xml.get("type") in ("result", "error")
+                and self.on_iq_answer(xml)
+            ):
+                return
+        elif tag == _PRESENCE and self.on_presence is not None and self.on_presence(xml):
+            return
+        super()._spawn_event(xml)
 
     async def _on_iq(self, iq: Iq) -> None:
         task = asyncio.current_task()

@@ -9,14 +9,15 @@ from __future__ import annotations
 import logging
 import secrets
 import xml.etree.ElementTree as ET
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from slixmpp.jid import JID, InvalidJID
 
 from relay.models import Component, Service
 from relay.services import publishing, registrations
+from relay.services.unifiedpush import UP_NS
 from xmppgateway.stanzas import (
     COMMANDS_NS,
     DATA_NS,
@@ -36,6 +37,8 @@ T = TypeVar("T")
 RunBlocking = Callable[..., Awaitable[Any]]
 # Accepts one publish, possibly batched with others (xmppgateway.gateway.PublishBatcher).
 AcceptPublish = Callable[[publishing.Publish], Awaitable[publishing.Verdict]]
+# A handler for an iq-set payload another module serves (xmppgateway.unifiedpush).
+IqHandler = Callable[["LinkContext", JID, ET.Element], Awaitable["Answer"]]
 
 
 class Unavailable(Exception):
@@ -93,6 +96,8 @@ class LinkContext:
     max_field_length: int
     run_blocking: RunBlocking
     accept_publish: AcceptPublish | None = None
+    # iq-set payloads by qualified tag, served elsewhere (the UnifiedPush register iq).
+    iq_set_handlers: Mapping[str, IqHandler] = field(default_factory=dict)
 
 
 # --- disco
@@ -109,13 +114,17 @@ def disco_info(ctx: LinkContext, query: ET.Element) -> Answer:
             q(DISCO_INFO_NS, "identity"),
             {"category": "pubsub", "type": "push", "name": "Push relay"},
         )
-        features = [DISCO_INFO_NS, DISCO_ITEMS_NS, PUSH_NS, COMMANDS_NS, DATA_NS]
+        features = [DISCO_INFO_NS, DISCO_ITEMS_NS]
+        if ctx.component.serves_p2:
+            features += [PUSH_NS, COMMANDS_NS, DATA_NS]
+        if ctx.component.serves_unifiedpush:
+            features.append(UP_NS)
     elif node == COMMANDS_NS:
         ET.SubElement(
             reply, q(DISCO_INFO_NS, "identity"), {"category": "automation", "type": "command-list"}
         )
         features = [DISCO_INFO_NS, DISCO_ITEMS_NS]
-    elif node in COMMANDS:
+    elif node in COMMANDS and ctx.component.serves_p2:
         ET.SubElement(
             reply,
             q(DISCO_INFO_NS, "identity"),
@@ -135,7 +144,7 @@ def disco_items(ctx: LinkContext, query: ET.Element) -> Answer:
     if node:
         reply.set("node", node)
     if node == COMMANDS_NS:
-        for name, description in COMMAND_NAMES.items():
+        for name, description in COMMAND_NAMES.items() if ctx.component.serves_p2 else ():
             ET.SubElement(
                 reply,
                 q(DISCO_ITEMS_NS, "item"),
@@ -166,6 +175,8 @@ async def command(ctx: LinkContext, sender: JID, element: ET.Element) -> Answer:
     spec = COMMANDS.get(name)
     if spec is None:
         return error(*ITEM_NOT_FOUND, "unknown command")
+    if not ctx.component.serves_p2:
+        return error(*SERVICE_UNAVAILABLE, "this component serves UnifiedPush only")
     action = element.get("action", "execute")
     session_id = element.get("sessionid") or secrets.token_hex(8)
     if action == "cancel":
@@ -238,6 +249,8 @@ def _command_reply(node: str, session_id: str, status: str) -> ET.Element:
 async def publish(ctx: LinkContext, sender: JID, pubsub: ET.Element) -> Answer:
     if sender.resource:
         return error(*FORBIDDEN, "publish from a full JID")
+    if not ctx.component.serves_p2:
+        return error(*ITEM_NOT_FOUND, "this component serves UnifiedPush only")
     try:
         payload = parse_publish(pubsub, max_length=ctx.max_field_length)
     except BadRequest as bad:
@@ -293,4 +306,7 @@ async def dispatch(
             return await command(ctx, sender, payload)
         if tag == q(PUBSUB_NS, "pubsub"):
             return await publish(ctx, sender, payload)
+        served_elsewhere = ctx.iq_set_handlers.get(tag)
+        if served_elsewhere is not None:
+            return await served_elsewhere(ctx, sender, payload)
     return error(*SERVICE_UNAVAILABLE)
