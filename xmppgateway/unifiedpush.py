@@ -220,6 +220,8 @@ class UnifiedPushRelay:
         outcome = delivery.fate(iq.get("type", ""), error_condition(iq))
         message = entry.message
         key = (component_id, message.recipient_key)
+        # Known until its row is gone: a flush or sweep meanwhile must not send it again.
+        self.known.add(message.id)
         if outcome is Fate.DELIVERED:
             self._finish_later(message.id, UnifiedPushOutcome.DELIVERED)
             if self.recipients.pop(key, None) is not None:
@@ -228,6 +230,8 @@ class UnifiedPushRelay:
             self._spawn(self._revoke(message))
         elif not late:
             self._failed(message)
+        else:
+            self.known.discard(message.id)  # a late error: it stays stored, retried later
         return True
 
     def on_presence(self, component_id: int, presence: ET.Element) -> bool:
@@ -325,12 +329,18 @@ class UnifiedPushRelay:
 
     # --- outcomes
 
-    def _failed(self, message: StoredMessage) -> None:
+    def _failed(self, message: StoredMessage, *, answered: bool = True) -> None:
+        """The phone did not take it. Unanswered, the push most likely waits in a hibernated
+        session on the phone's server, which answers it on resumption (or bounces it when the
+        session dies): sending it again soon would only queue a duplicate, so the retry then
+        waits the longest backoff; a late answer, presence or registration comes first."""
         key = (message.component_id, message.recipient_key)
         state = self.recipients.setdefault(key, Recipient())
         state.failures += 1
         state.probing = False
         delay = delivery.retry_delay(state.failures, base=self.retry_base, maximum=self.retry_max)
+        if not answered:
+            delay = self.retry_max
         state.retry_at = time.monotonic() + delay
         until = datetime.now(UTC) + timedelta(seconds=delay)
         if until >= message.expires:
@@ -426,7 +436,7 @@ class UnifiedPushRelay:
         for iq_id in expired:
             entry = self.in_flight.pop(iq_id)
             self.late[iq_id] = entry
-            self._failed(entry.message)
+            self._failed(entry.message, answered=False)
         while len(self.late) > LATE_ANSWERS:
             self.late.popitem(last=False)
 
