@@ -73,6 +73,7 @@ bench: $(STAMP)
 	$(WITH_SERVICES) $(BIN)/python bench/relay.py
 	$(WITH_SERVICES) $(BIN)/python bench/providers.py
 	$(WITH_SERVICES) $(BIN)/python bench/api.py
+	$(WITH_SERVICES) $(BIN)/python bench/unifiedpush.py
 
 clean:
 	rm -rf $(VENV) var

@@ -391,14 +391,14 @@ class UnifiedPushMessage(models.Model):
     component = models.ForeignKey(
         Component, on_delete=models.CASCADE, db_index=False, related_name="+"
     )
-    endpoint_key = models.CharField(max_length=32, db_index=True)
-    recipient_key = models.CharField(max_length=32, db_index=True)
+    endpoint_key = models.CharField(max_length=32)
+    recipient_key = models.CharField(max_length=32)
     topic_key = models.CharField(max_length=32, blank=True, default="")
     urgency = models.SmallIntegerField(
         choices=UnifiedPushUrgency.choices, default=UnifiedPushUrgency.NORMAL
     )
     received = models.DateTimeField()
-    expires = models.DateTimeField(db_index=True)
+    expires = models.DateTimeField()
     endpoint_expires = models.DateTimeField(help_text="When the endpoint's token expires.")
     next_attempt = models.DateTimeField()
     attempts = models.PositiveSmallIntegerField(default=0)
@@ -407,7 +407,14 @@ class UnifiedPushMessage(models.Model):
     sealed = models.BinaryField()
 
     class Meta:
-        indexes = [models.Index(fields=["component", "next_attempt"], name="up_message_due")]
+        # Every index costs each POST an insert and each delivery a delete: these four are
+        # what the lookups need (plain btrees; db_index would add a LIKE index per key).
+        indexes = [
+            models.Index(fields=["endpoint_key"], name="up_message_endpoint"),
+            models.Index(fields=["recipient_key"], name="up_message_recipient"),
+            models.Index(fields=["component", "next_attempt"], name="up_message_due"),
+            models.Index(fields=["expires"], name="up_message_expires"),
+        ]
 
     def __str__(self) -> str:
         return f"UnifiedPush message {self.pk}"
@@ -437,7 +444,8 @@ class UnifiedPushOutcome(models.TextChoices):
 class UnifiedPushDelivery(models.Model):
     """One UnifiedPush message as it went through us, for reports: no JID, no body, no token."""
 
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    # (tenant, received) serves the tenant's lookups: no index of its own.
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False, related_name="+")
     component = models.ForeignKey(
         Component, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )

@@ -9,8 +9,9 @@ import json
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from relay import unifiedpush_http
 from relay.services.unifiedpush import matrix, messages
-from relay.services.unifiedpush.messages import MAX_BODY_BYTES, PushRefused
+from relay.services.unifiedpush.messages import PushRefused
 
 DISCOVERY = {"unifiedpush": {"version": 1}}
 MATRIX_DISCOVERY = {"unifiedpush": {"gateway": "matrix"}}
@@ -37,29 +38,25 @@ def _content_length(request: HttpRequest) -> int | None:
 
 @csrf_exempt
 def push_resource(request: HttpRequest, token: str) -> HttpResponse:
-    try:
-        if request.method == "POST":
-            length = _content_length(request)
-            if length is None and "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", ""):
-                return JsonResponse({"error": "send a Content-Length"}, status=411)
-            messages.check_length(length)
-            accepted = messages.accept(
-                token=token,
-                body=request.read(MAX_BODY_BYTES + 1),
-                ttl=request.headers.get("TTL"),
-                topic=request.headers.get("Topic"),
-                urgency=request.headers.get("Urgency"),
-            )
-            response = HttpResponse(status=201)
-            response["Location"] = accepted.location
-            response["TTL"] = str(accepted.ttl)
-            response["Urgency"] = accepted.urgency
-            return response
-        if request.method in ("GET", "HEAD"):
+    """GET discovers; POST stores (usually answered by `FastPushPath` before Django)."""
+    if request.method == "POST":
+        status, headers, body = unifiedpush_http.post(
+            token=token,
+            content_length=request.META.get("CONTENT_LENGTH") or "",
+            transfer_encoding=request.META.get("HTTP_TRANSFER_ENCODING", ""),
+            read=request.read,
+            header=request.headers.get,
+        )
+        response = HttpResponse(body, status=status)
+        for name, value in headers:
+            response[name] = value
+        return response
+    if request.method in ("GET", "HEAD"):
+        try:
             messages.discover(token=token)
-            return JsonResponse(DISCOVERY)
-    except PushRefused as refusal:
-        return _refused(refusal)
+        except PushRefused as refusal:
+            return _refused(refusal)
+        return JsonResponse(DISCOVERY)
     return _not_allowed("GET", "POST")
 
 

@@ -130,9 +130,11 @@ def lab(xmpp_server_factory):
         gateway_code = lab.gateway.stop()
         lab.web.stop()
         assert gateway_code == 0, lab.gateway.log_text()[-3000:]
-        for log in (lab.gateway.log_text(), web.log_text()):
+        for log in (lab.gateway.log_text(), lab.web.log_text()):
             for phone in lab.phones:
                 assert phone.bare_jid.split("@")[0] not in log, "a log names an account"
+            assert "v4.local." not in log, "a log holds an endpoint token"
+        assert '"POST /push/… HTTP/1.1" 201' in lab.web.log_text()  # the access log, redacted
 
 
 def test_webpush_through_prosody_reaches_the_phone_decryptable(lab):

@@ -71,8 +71,9 @@ class Lab:
             iq_id,
         )
 
-    def register(self, *, sender: str = PHONE, application: str | None = None,
-                 instance: str | None = None) -> ET.Element:
+    def register(
+        self, *, sender: str = PHONE, application: str | None = None, instance: str | None = None
+    ) -> ET.Element:
         application = b64(os.urandom(32)) if application is None else application
         instance = b64(os.urandom(32)) if instance is None else instance
         return self.iq(
@@ -87,8 +88,12 @@ class Lab:
         return registered.get("endpoint")
 
     def post(self, endpoint: str, body: bytes = b"hello", **headers: str):
-        return self.client.post(urlsplit(endpoint).path, data=body,
-                                content_type="application/octet-stream", headers=headers)
+        return self.client.post(
+            urlsplit(endpoint).path,
+            data=body,
+            content_type="application/octet-stream",
+            headers=headers,
+        )
 
     def pushes(self, count: int = 1, timeout: float = 10.0) -> list[ET.Element]:
         return self.server.wait_for(lambda s: s.find(PUSH) is not None, timeout, count=count)
@@ -100,13 +105,20 @@ class Lab:
         )
         return push
 
-    def answer(self, push: ET.Element, condition: str | None = None, *,
-               sender: str | None = None, error_type: str = "cancel") -> None:
+    def answer(
+        self,
+        push: ET.Element,
+        condition: str | None = None,
+        *,
+        sender: str | None = None,
+        error_type: str = "cancel",
+    ) -> None:
         self.answered.add(push.get("id"))
         sender = sender or push.get("to")
         if condition is None:
-            self.server.send(f"<iq type='result' id='{push.get('id')}' from='{sender}' "
-                             f"to='{COMPONENT}'/>")
+            self.server.send(
+                f"<iq type='result' id='{push.get('id')}' from='{sender}' to='{COMPONENT}'/>"
+            )
         else:
             self.server.send(
                 f"<iq type='error' id='{push.get('id')}' from='{sender}' to='{COMPONENT}'>"
@@ -121,7 +133,11 @@ def lab(client):
     server = FakeXmppServer(COMPONENT, SECRET)
     tenant = Tenant.objects.create(name="lab", allowed_domains="localhost\n*.example.net")
     component = Component.objects.create(
-        tenant=tenant, jid=COMPONENT, secret=SECRET, host="127.0.0.1", port=server.port,
+        tenant=tenant,
+        jid=COMPONENT,
+        secret=SECRET,
+        host="127.0.0.1",
+        port=server.port,
         unifiedpush_endpoint_url=BASE,
     )
     lab = Lab(server, component, client)
@@ -142,8 +158,10 @@ def body_of(push: ET.Element) -> bytes:
 
 
 def bodies() -> list[bytes]:
-    return [messages.open_message(bytes(row.sealed)).body
-            for row in UnifiedPushMessage.objects.order_by("id")]
+    return [
+        messages.open_message(bytes(row.sealed)).body
+        for row in UnifiedPushMessage.objects.order_by("id")
+    ]
 
 
 # --- registering
@@ -166,13 +184,19 @@ def test_register_answers_an_endpoint_and_an_iso_expiration(lab):
 @pytest.mark.parametrize(
     "application, instance",
     [
-        ("", None), ("not base64!", None), (b64(os.urandom(31)), None), (None, b64(os.urandom(33))),
-        (b64(os.urandom(32))[:-1], None), (b64(os.urandom(48)), None),
+        ("", None),
+        ("not base64!", None),
+        (b64(os.urandom(31)), None),
+        (None, b64(os.urandom(33))),
+        (b64(os.urandom(32))[:-1], None),
+        (b64(os.urandom(48)), None),
     ],
 )
 def test_register_refuses_anything_but_base64_of_32_bytes(lab, application, instance):
     assert error_of(lab.register(application=application, instance=instance)) == (
-        "modify", "bad-request")
+        "modify",
+        "bad-request",
+    )
 
 
 def test_register_needs_the_full_jid_of_an_account(lab):
@@ -252,7 +276,9 @@ def test_a_temporary_error_keeps_the_message_and_retries_in_order(lab):
     time.sleep(0.5)
     assert [body_of(p) for p in lab.pushes(2)] == [b"first", b"first"]  # nothing else yet
     lab.answer(probe)
-    rest = [lab.next_push(), ]
+    rest = [
+        lab.next_push(),
+    ]
     lab.answer(rest[0])
     rest.append(lab.next_push())
     lab.answer(rest[1])
@@ -289,8 +315,9 @@ def test_no_answer_is_temporary_and_a_late_result_still_counts_once(lab):
 def test_directed_presence_brings_a_phone_back_at_once(lab):
     endpoint = lab.endpoint()
     lab.gateway.stop()
-    lab.start_gateway(RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600",
-                      RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600")
+    lab.start_gateway(
+        RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600", RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600"
+    )
     lab.post(endpoint, b"one")
     lab.answer(lab.next_push(), "service-unavailable")
     wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists())
@@ -309,8 +336,9 @@ def test_directed_presence_brings_a_phone_back_at_once(lab):
 def test_registering_again_brings_a_phone_back_too(lab):
     endpoint = lab.endpoint()
     lab.gateway.stop()
-    lab.start_gateway(RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600",
-                      RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600")
+    lab.start_gateway(
+        RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600", RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600"
+    )
     lab.post(endpoint, b"one")
     lab.answer(lab.next_push(), "recipient-unavailable")
     wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists())

@@ -54,7 +54,7 @@ REGISTER_TAG = f"{{{UP_NS}}}register"
 
 MAX_IN_FLIGHT = 5000  # pushes awaiting an answer, all links; beyond, the sweep sends later
 LATE_ANSWERS = 10_000  # timed-out pushes whose late `result` still counts
-FINISH_WINDOW = 0.005  # seconds a delivered message waits to be deleted with others
+FINISH_WINDOW = 0.02  # seconds a delivered message waits to be deleted with others
 FINISH_BATCH = 500
 SWEEP_LIMIT = 1000
 EXPIRY_SECONDS = 5.0
@@ -298,15 +298,20 @@ class UnifiedPushRelay:
         )
 
     def on_notify(self, payload: str) -> None:
-        try:
-            parsed = store.parse_notify_payload(payload)
-        except (ValueError, IndexError):
-            log.error("unifiedpush.bad_notification")
-            return
-        if isinstance(parsed, int):
-            self._spawn(self._send_by_ids([parsed]))
-        else:
-            self.consider(parsed)
+        """One notification per stored batch: a line per message, in the order stored."""
+        too_big = []
+        for line in payload.split("\n"):
+            try:
+                parsed = store.parse_notify_payload(line)
+            except (ValueError, IndexError):
+                log.error("unifiedpush.bad_notification")
+                continue
+            if isinstance(parsed, int):
+                too_big.append(parsed)
+            else:
+                self.consider(parsed)
+        if too_big:
+            self._spawn(self._send_by_ids(too_big))
 
     async def _send_by_ids(self, ids: list[int]) -> None:
         with contextlib.suppress(Unavailable):

@@ -125,7 +125,8 @@ def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[Servic
     web = ServiceProcess(
         "web",
         [sys.executable, "-m", "gunicorn", "pushsite.wsgi", "--bind", f"127.0.0.1:{port}",
-         "--workers", str(workers), "--threads", str(threads), "--log-level", "warning"],
+         "--worker-class", "gthread", "--workers", str(workers), "--threads", str(threads),
+         "--access-logfile", "-", "--logger-class", "pushsite.gunicorn_logging.Logger"],
         service_env(**env),
     )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
