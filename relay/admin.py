@@ -54,6 +54,7 @@ from relay.models import (
     Registration,
     Tenant,
     TenantStaffGroup,
+    UnifiedPushDelivery,
 )
 from relay.services import credentials as credential_service
 from relay.services import dead_letters, onboarding, tenancy, usage
@@ -1010,6 +1011,32 @@ def csv_response(
 def provider_code(obj: Delivery | DeadLetter) -> str:
     """The short code (fcm, apns, wns): the full names make the log's columns wrap."""
     return obj.provider
+
+
+@admin.register(UnifiedPushDelivery)
+class UnifiedPushDeliveryAdmin(TenantScopedAdmin):
+    """One row per UnifiedPush message and how it ended; no JID, no body, no endpoint."""
+
+    list_display = ("received", "component", "outcome", "urgency", "size", "ttl", "attempts",
+                    "finished")  # fmt: skip
+    list_filter = (
+        "outcome",
+        ("received", admin.DateFieldListFilter),
+        "tenant",
+        "component",
+        "urgency",
+    )
+    list_select_related = ("component",)
+    date_hierarchy = "received"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 @admin.register(Delivery)

@@ -7,6 +7,7 @@ process's answers and what it leaves in the database.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import time
 from datetime import timedelta
@@ -300,3 +301,56 @@ def test_the_system_check_names_bad_keys_and_messages_no_key_opens(client, up_co
     with override_settings(UNIFIEDPUSH_KEYS=[new_master_key()]):
         [warning] = unifiedpush_keys_check()
         assert warning.id == "relay.W010" and warning.msg.startswith("1 stored")
+
+
+def matrix(client, devices, **notification):
+    body = {
+        "notification": {
+            "event_id": "$e",
+            "room_id": "!r",
+            "prio": "high",
+            **notification,
+            "devices": devices,
+        }
+    }
+    return client.post("/_matrix/push/v1/notify", data=body, content_type="application/json")
+
+
+def test_the_matrix_gateway_trims_what_does_not_fit_and_keeps_the_event(client, up_component):
+    endpoint = register(up_component).endpoint
+    device = {"app_id": "im.app", "pushkey": endpoint, "data": {"format": "event_id_only"}}
+    answer = matrix(client, [device], content={"body": "x" * 5000}, counts={"unread": 3})
+    assert answer.status_code == 200 and answer.json() == {"rejected": []}
+    body = messages.open_message(bytes(UnifiedPushMessage.objects.get().sealed)).body
+    relayed = json.loads(body)["notification"]
+    assert len(body) <= 4096 and "content" not in relayed
+    assert relayed["event_id"] == "$e" and relayed["counts"] == {"unread": 3}
+    assert relayed["devices"] == [{"app_id": "im.app", "pushkey": endpoint}]
+
+
+def test_the_matrix_gateway_answers_429_when_a_device_is_over_its_limit(client, up_component):
+    endpoint = register(up_component).endpoint
+    with override_settings(RELAY={**settings.RELAY, "UNIFIEDPUSH_ENDPOINT_RATE": (0.1, 1)}):
+        messages.reset_limits()
+        assert matrix(client, [{"pushkey": endpoint}]).status_code == 200
+        refused = matrix(client, [{"pushkey": endpoint}, {"pushkey": "https://x/push/nope"}])
+    assert refused.status_code == 429 and int(refused["Retry-After"]) >= 1
+    assert refused.json()["errcode"] == "M_LIMIT_EXCEEDED"
+    low = matrix(client, [{"pushkey": register(up_component).endpoint}], prio="low")
+    assert low.status_code == 200
+    assert UnifiedPushMessage.objects.order_by("-id").first().urgency == 1  # low
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"not json",
+        b"[]",
+        b'{"notification": {}}',
+        b'{"notification": {"devices": []}}',
+        b'{"notification": {"devices": [{"app_id": "x"}]}}',
+    ],
+)
+def test_the_matrix_gateway_refuses_what_is_not_a_notification(client, payload):
+    answer = client.post("/_matrix/push/v1/notify", data=payload, content_type="application/json")
+    assert answer.status_code == 400
