@@ -445,8 +445,15 @@ class UnifiedPushRelay:
         while len(self.late) > LATE_ANSWERS:
             self.late.popitem(last=False)
 
+    def _forget_old_recipients(self) -> None:
+        """Phones that never came back: their backoff state is no use once long past."""
+        horizon = time.monotonic() - 2 * self.retry_max
+        for key in [k for k, state in self.recipients.items() if state.retry_at < horizon]:
+            del self.recipients[key]
+
     async def _sweep(self) -> None:
         self._check_timeouts()
+        self._forget_old_recipients()
         now = datetime.now(UTC)
         if time.monotonic() - self._last_expiry > EXPIRY_SECONDS:
             self._last_expiry = time.monotonic()
