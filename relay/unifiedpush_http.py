@@ -97,8 +97,11 @@ class FastPushPath:
             )
         except Exception as error:  # what Django would turn into a 500, logged without details
             log.exception("unifiedpush.post_crashed", extra={"error_type": type(error).__name__})
-            close_old_connections()
             status, headers, body = 500, [("Content-Type", "application/json")], b"{}"
+        if status >= 500:
+            # What Django does at the end of every request, needed here only after a failure:
+            # a connection the database dropped is closed, and the next POST opens a new one.
+            close_old_connections()
         start_response(
             f"{status} {REASONS.get(status, '')}",
             [*headers, *SECURITY_HEADERS, ("Content-Length", str(len(body)))],

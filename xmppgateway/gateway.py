@@ -269,8 +269,8 @@ class Gateway:
             await self.sync_links()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopped.wait(), timeout=self.poll_seconds)
+        await unifiedpush  # its last writes need the executor that shutdown() closes
         await self.shutdown()
-        await unifiedpush
 
     async def shutdown(self) -> None:
         log.info("gateway.stopping", extra={"links": len(self.links)})

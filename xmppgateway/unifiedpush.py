@@ -142,6 +142,7 @@ class UnifiedPushRelay:
     _sweep_wanted: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _last_expiry: float = 0.0
+    _stopping: bool = False
 
     # --- wiring (xmppgateway.gateway)
 
@@ -167,6 +168,7 @@ class UnifiedPushRelay:
         try:
             await stopped.wait()
         finally:
+            self._stopping = True
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -412,6 +414,8 @@ class UnifiedPushRelay:
             )
         except Exception as error:  # the database is down: keep them, try again shortly
             log.warning("unifiedpush.finish_failed", extra={"error_type": type(error).__name__})
+            if self._stopping:
+                return  # still stored: sent again after the restart (at least once)
             await asyncio.sleep(1.0)
             for message_id in ids:
                 self._finish_later(message_id, outcome)
@@ -474,9 +478,12 @@ class UnifiedPushRelay:
             self.consider(message)
 
     async def _sweep_loop(self) -> None:
-        while True:
+        while not self._stopping:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can turn a cancellation
+            # that meets its own timeout into a TimeoutError, and the loop would never end.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sweep_wanted.wait(), timeout=self.sweep_seconds)
+                async with asyncio.timeout(self.sweep_seconds):
+                    await self._sweep_wanted.wait()
             self._sweep_wanted.clear()
             try:
                 await self._sweep()
@@ -489,7 +496,7 @@ class UnifiedPushRelay:
         import psycopg
 
         delay = 0.5
-        while True:
+        while not self._stopping:
             try:
                 params = _listen_params()
                 conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
