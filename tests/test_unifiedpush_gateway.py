@@ -316,15 +316,21 @@ def test_no_answer_is_temporary_and_a_late_result_still_counts_once(lab):
     assert [r.outcome for r in records] == ["delivered"]
 
 
-def test_directed_presence_brings_a_phone_back_at_once(lab):
+def away_for_ten_minutes(lab, condition: str) -> str:
+    """A phone whose first push failed with `condition`; retries would wait ten minutes."""
     endpoint = lab.endpoint()
     lab.gateway.stop()
     lab.start_gateway(
         RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600", RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600"
     )
     lab.post(endpoint, b"one")
-    lab.answer(lab.next_push(), "service-unavailable")
+    lab.answer(lab.next_push(), condition)
     wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists())
+    return endpoint
+
+
+def test_directed_presence_brings_a_phone_back_at_once(lab):
+    endpoint = away_for_ten_minutes(lab, "service-unavailable")
     lab.post(endpoint, b"two")
     time.sleep(0.6)
     assert len(lab.all_pushes()) == 1  # held back for ten minutes
@@ -338,14 +344,7 @@ def test_directed_presence_brings_a_phone_back_at_once(lab):
 
 
 def test_registering_again_brings_a_phone_back_too(lab):
-    endpoint = lab.endpoint()
-    lab.gateway.stop()
-    lab.start_gateway(
-        RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600", RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600"
-    )
-    lab.post(endpoint, b"one")
-    lab.answer(lab.next_push(), "recipient-unavailable")
-    wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists())
+    away_for_ten_minutes(lab, "recipient-unavailable")
     lab.register()
     push = lab.next_push()
     assert body_of(push) == b"one"
