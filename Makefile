@@ -76,6 +76,7 @@ bench: $(STAMP)
 	$(WITH_SERVICES) $(BIN)/python bench/hostile.py
 	$(WITH_SERVICES) $(BIN)/python bench/broker_window.py
 	$(WITH_SERVICES) $(BIN)/python bench/analytics.py
+	$(WITH_SERVICES) $(BIN)/python bench/unifiedpush.py
 
 clean:
 	rm -rf $(VENV) var

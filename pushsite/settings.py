@@ -80,6 +80,26 @@ def _credential_keys() -> list[str]:
 
 
 CREDENTIAL_KEYS = _credential_keys()
+
+
+def _unifiedpush_keys() -> list[str]:
+    """32-byte keys (base64url) for UnifiedPush endpoint tokens and stored messages; the first
+    encrypts, all decrypt (rotation: README, "UnifiedPush keys")."""
+    keys = env_list("UNIFIEDPUSH_KEYS", [])
+    if keys:
+        return keys
+    if PRODUCTION:
+        raise ImproperlyConfigured("UNIFIEDPUSH_KEYS must be set when DEPLOYMENT=production")
+    key_file = VAR_DIR / "unifiedpush_key"
+    if not key_file.exists():
+        import base64
+
+        key_file.write_text(base64.urlsafe_b64encode(secrets.token_bytes(32)).decode())
+        key_file.chmod(0o600)
+    return [key_file.read_text().strip()]
+
+
+UNIFIEDPUSH_KEYS = _unifiedpush_keys()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", [] if PRODUCTION else ["localhost", "127.0.0.1", "[::1]"])
 if PRODUCTION and not ALLOWED_HOSTS:
     # Without it every request would be refused with 400: say so at start instead.
@@ -380,6 +400,12 @@ def env_rate(name: str, default: str) -> tuple[int, float]:
 # tallies older than this many days are pruned by `manage.py prune_records` (beat task below).
 RELAY["RETENTION_DAYS"] = env_int("RELAY_RETENTION_DAYS", 90)
 
+def env_rate_burst(name: str, default: str) -> tuple[float, float]:
+    """A token bucket written "rate/burst" (e.g. "10/100"); a rate of 0 turns it off."""
+    rate, _, burst = (os.environ.get(name) or default).partition("/")
+    return float(rate), float(burst or rate)
+
+
 # --- Windows (UWPX-style) clients: the JSON API and the TLS listener (docs/windows-api.md).
 RELAY.update(
     {
@@ -417,6 +443,37 @@ RELAY.update(
         "REGISTRATION_UNUSED_DAYS": env_float("RELAY_REGISTRATION_UNUSED_DAYS", 30.0),
     }
 )
+
+# --- UnifiedPush (relay/services/unifiedpush/, README "UnifiedPush").
+RELAY.update(
+    {
+        # TTL granted at most, and assumed when a POST sends none (seconds).
+        "UNIFIEDPUSH_MAX_TTL_SECONDS": env_int("RELAY_UNIFIEDPUSH_MAX_TTL_SECONDS", 2 * 86400),
+        "UNIFIEDPUSH_DEFAULT_TTL_SECONDS": env_int("RELAY_UNIFIEDPUSH_DEFAULT_TTL_SECONDS", 86400),
+        # Undelivered messages kept per endpoint; beyond, the oldest least urgent is dropped.
+        "UNIFIEDPUSH_MAX_STORED_PER_ENDPOINT": env_int(
+            "RELAY_UNIFIEDPUSH_MAX_STORED_PER_ENDPOINT", 100
+        ),
+        # Token buckets per web process ("rate/burst"): per endpoint, and per tenant unless the
+        # tenant sets its own rate; excess POSTs get 429 with Retry-After.
+        "UNIFIEDPUSH_ENDPOINT_RATE": env_rate_burst("RELAY_UNIFIEDPUSH_ENDPOINT_RATE", "10/100"),
+        "UNIFIEDPUSH_TENANT_RATE": env_rate_burst("RELAY_UNIFIEDPUSH_TENANT_RATE", "1000/10000"),
+        # Gateway: how long the phone has to answer a push, and the retry backoff after a
+        # temporary error or no answer (seconds).
+        "UNIFIEDPUSH_ANSWER_TIMEOUT_SECONDS": env_float(
+            "RELAY_UNIFIEDPUSH_ANSWER_TIMEOUT_SECONDS", 60.0
+        ),
+        "UNIFIEDPUSH_RETRY_BASE_SECONDS": env_float("RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS", 5.0),
+        "UNIFIEDPUSH_RETRY_MAX_SECONDS": env_float("RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS", 600.0),
+        # Gateway: how often it looks for stored messages that are due (the safety net behind
+        # PostgreSQL's LISTEN/NOTIFY; on SQLite, the only wake-up, hence shorter there).
+        "UNIFIEDPUSH_SWEEP_SECONDS": env_float(
+            "RELAY_UNIFIEDPUSH_SWEEP_SECONDS",
+            0.25 if DATABASES["default"]["ENGINE"].endswith("sqlite3") else 5.0,
+        ),
+    }
+)
+
 # The NUL-framed JSON-over-TLS listener that unmodified UWPX clients dial (port 1997).
 UWPX_LISTEN_ADDRESS = os.environ.get("UWPX_LISTEN_ADDRESS", "127.0.0.1")
 UWPX_LISTEN_PORT = env_int("UWPX_LISTEN_PORT", 1997)

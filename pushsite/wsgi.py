@@ -3,4 +3,9 @@ import os
 from django.core.wsgi import get_wsgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
-application = get_wsgi_application()
+django_application = get_wsgi_application()
+
+from relay.unifiedpush_http import FastPushPath  # noqa: E402  (needs Django set up)
+
+# POSTs to UnifiedPush endpoints skip Django's request cycle; everything else is Django's.
+application = FastPushPath(django_application)

@@ -54,9 +54,11 @@ from relay.models import (
     Registration,
     Tenant,
     TenantStaffGroup,
+    UnifiedPushDelivery,
 )
 from relay.services import credentials as credential_service
 from relay.services import dead_letters, onboarding, tenancy, usage
+from relay.services.provisioning import validate_unifiedpush_url
 from relay.services.queue import QueueUnavailable
 from relay.services.test_push import send_test_push
 
@@ -667,7 +669,16 @@ class ComponentForm(forms.ModelForm):
 
     class Meta:
         model = Component
-        fields = ("tenant", "app", "jid", "host", "port", "enabled")
+        fields = (
+            "tenant",
+            "app",
+            "jid",
+            "host",
+            "port",
+            "enabled",
+            "unifiedpush_endpoint_url",
+            "unifiedpush_token_lifetime_days",
+        )
 
     def clean_new_secret(self) -> str:
         secret = self.cleaned_data.get("new_secret") or ""
@@ -683,6 +694,18 @@ class ComponentForm(forms.ModelForm):
         app = cleaned.get("app")
         if app is not None and tenant_id is not None and app.tenant_id != tenant_id:
             self.add_error("app", "This app belongs to another tenant.")
+        # Read-only fields (operator-only) are not in the form: fall back to the instance.
+        url = cleaned.get("unifiedpush_endpoint_url", self.instance.unifiedpush_endpoint_url)
+        if url:
+            try:
+                validate_unifiedpush_url(url)
+            except forms.ValidationError as error:
+                self.add_error("unifiedpush_endpoint_url", error)
+        has_app = app is not None if "app" in self.fields else self.instance.app_id is not None
+        if not has_app and not url:
+            raise forms.ValidationError(
+                "Choose an app (the p2 commands), enter a UnifiedPush endpoint URL, or both."
+            )
         return cleaned
 
     def save(self, commit: bool = True) -> Component:
@@ -717,7 +740,7 @@ class ComponentAdmin(TenantScopedAdmin):
     actions = ("enable", "disable", "regenerate_secret")
     # Where the gateway connects, and under which JID, is the operator's to decide: a tenant
     # could otherwise point the gateway at any host and port, or claim another server's JID.
-    operator_only_fields = ("tenant", "jid", "host", "port")
+    operator_only_fields = ("tenant", "jid", "host", "port", "unifiedpush_endpoint_url")
     operator_only_actions = ("regenerate_secret", "delete_selected")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -729,6 +752,16 @@ class ComponentAdmin(TenantScopedAdmin):
     def get_fieldsets(self, request: HttpRequest, obj: Component | None = None) -> list[Any]:
         fieldsets: list[Any] = [
             (None, {"fields": ("tenant", "app", "jid", "enabled")}),
+            (
+                "UnifiedPush",
+                {
+                    "fields": ("unifiedpush_endpoint_url", "unifiedpush_token_lifetime_days"),
+                    "description": "Phones (Conversations as UnifiedPush distributor) register "
+                    "here for endpoints that apps' servers POST to; the web process serves "
+                    "them at <endpoint URL>/push/…. Leave the URL empty to serve only the p2 "
+                    "commands.",
+                },
+            ),
             (
                 "Connection",
                 {
@@ -1029,6 +1062,32 @@ def csv_response(
 def provider_code(obj: Delivery | DeadLetter) -> str:
     """The short code (fcm, apns, wns): the full names make the log's columns wrap."""
     return obj.provider
+
+
+@admin.register(UnifiedPushDelivery)
+class UnifiedPushDeliveryAdmin(TenantScopedAdmin):
+    """One row per UnifiedPush message and how it ended; no JID, no body, no endpoint."""
+
+    list_display = ("received", "component", "outcome", "urgency", "size", "ttl", "attempts",
+                    "finished")  # fmt: skip
+    list_filter = (
+        "outcome",
+        ("received", admin.DateFieldListFilter),
+        "tenant",
+        "component",
+        "urgency",
+    )
+    list_select_related = ("component",)
+    date_hierarchy = "received"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 @admin.register(Delivery)

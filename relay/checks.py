@@ -137,3 +137,42 @@ def gateway_limits_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
     if int(relay["LINK_MAX_IN_FLIGHT"]) < 1:
         messages.append(Error("RELAY_LINK_MAX_IN_FLIGHT must be at least 1.", id="relay.E103"))
     return messages
+
+
+@register("relay")
+def unifiedpush_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """UNIFIEDPUSH_KEYS must be 32-byte keys; stored messages sealed with a key that is no
+    longer configured cannot be delivered (the key was dropped before they expired)."""
+    from relay.services.unifiedpush import keys
+
+    entries = list(getattr(settings, "UNIFIEDPUSH_KEYS", []) or [])
+    if not entries:
+        return [Error("UNIFIEDPUSH_KEYS is empty: no endpoint can be issued.", id="relay.E010")]
+    for index, entry in enumerate(entries):
+        try:
+            keys.decode_master_key(entry)
+        except keys.BadKey as error:
+            return [
+                Error(
+                    f"UNIFIEDPUSH_KEYS entry {index + 1} is not base64 of 32 bytes ({error}).",
+                    hint="Generate one with: python -c 'import base64, os; "
+                    "print(base64.urlsafe_b64encode(os.urandom(32)).decode())'",
+                    id="relay.E011",
+                )
+            ]
+    from relay.services.unifiedpush import store
+
+    try:
+        unreadable = store.count_sealed_with_other_keys([key.kid for key in keys.keyring().keys])
+    except DatabaseError:
+        return []
+    if unreadable:
+        return [
+            Warning(
+                f"{unreadable} stored UnifiedPush message(s) are sealed with a key that is not "
+                "in UNIFIEDPUSH_KEYS; they cannot be delivered.",
+                hint="Put the old key back (after the new one) until they expire.",
+                id="relay.W030",
+            )
+        ]
+    return []

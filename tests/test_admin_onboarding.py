@@ -471,6 +471,7 @@ def test_production_settings_pass_the_deploy_check(tmp_path):
         "SECRET_KEY": Fernet.generate_key().decode() * 2,
         "ALLOWED_HOSTS": "push.example.org",
         "CREDENTIAL_KEYS": Fernet.generate_key().decode(),
+        "UNIFIEDPUSH_KEYS": Fernet.generate_key().decode(),  # also 32 bytes, base64url
         "VAR_DIR": str(tmp_path),
     }
     env.pop("DEBUG", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -32,6 +33,7 @@ def production_env(tmp_path) -> dict[str, str]:
         "SECRET_KEY": "x" * 64 + "-not-a-default-key-" + "y" * 20,
         "ALLOWED_HOSTS": "push.example.org",
         "CREDENTIAL_KEYS": Fernet.generate_key().decode(),
+        "UNIFIEDPUSH_KEYS": base64.urlsafe_b64encode(os.urandom(32)).decode(),
         "VAR_DIR": str(tmp_path),
     }
 
@@ -42,7 +44,9 @@ def test_production_settings_pass_the_deploy_check(tmp_path):
     assert "no issues" in result.stdout
 
 
-@pytest.mark.parametrize("missing", ["SECRET_KEY", "CREDENTIAL_KEYS", "ALLOWED_HOSTS"])
+@pytest.mark.parametrize(
+    "missing", ["SECRET_KEY", "CREDENTIAL_KEYS", "ALLOWED_HOSTS", "UNIFIEDPUSH_KEYS"]
+)
 def test_production_refuses_to_start_without_its_secrets(tmp_path, missing):
     env = production_env(tmp_path)
     del env[missing]

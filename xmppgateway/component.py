@@ -15,6 +15,7 @@ import logging
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,10 @@ from xmppgateway import handlers
 from xmppgateway.stream import ACCEPT_NS, GuardedStream, StreamLimits
 
 log = logging.getLogger(__name__)
+
+# A hook that takes a raw stanza the gateway routes elsewhere (xmppgateway.unifiedpush); True
+# means it was taken.
+StanzaHook = Callable[[ET.Element], bool]
 
 STANZAS_NS = "urn:ietf:params:xml:ns:xmpp-stanzas"
 # Error answers are counted per link and logged as one line at most this often.
@@ -118,6 +123,9 @@ class PushComponent(GuardedStream):
         max_in_flight: int = 1000,
         answer_timeout: float = 15.0,
         accept_publish: handlers.AcceptPublish | None = None,
+        iq_set_handlers: Mapping[str, handlers.IqHandler] | None = None,
+        on_iq_answer: StanzaHook | None = None,
+        on_presence: StanzaHook | None = None,
     ) -> None:
         # fix_error_ns: without it Prosody cannot parse slixmpp's own errors and counts even
         # `wait` ones (ours are written by reply_xml).
@@ -134,12 +142,22 @@ class PushComponent(GuardedStream):
             max_field_length=max_field_length,
             run_blocking=run_blocking,
             accept_publish=accept_publish,
+            iq_set_handlers=iq_set_handlers or {},
         )
+        self._on_iq_answer = on_iq_answer
+        self._on_presence = on_presence
         self.max_in_flight = max(1, max_in_flight)
         self.answer_timeout = answer_timeout
         self.in_flight: set[asyncio.Task[Any]] = set()
         self.errors_answered: Counter[str] = Counter()
         self._next_summary = 0.0
+
+    def on_answer(self, iq: ET.Element) -> bool:
+        return self._on_iq_answer is not None and self._on_iq_answer(iq)
+
+    def on_presence(self, presence: ET.Element) -> None:
+        if self._on_presence is not None:
+            self._on_presence(presence)
 
     def on_request(self, iq: ET.Element) -> None:
         children = list(iq)

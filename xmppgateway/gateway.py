@@ -31,6 +31,7 @@ from relay.services.queue import QueueUnavailable
 from xmppgateway.component import PushComponent
 from xmppgateway.handlers import RunBlocking, Unavailable
 from xmppgateway.stream import StreamLimits
+from xmppgateway.unifiedpush import UnifiedPushRelay
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class Link:
         ended: asyncio.Future[str] = loop.create_future()
         stream_error: list[str] = []
         was_up = False
+        relay = self.gateway.unifiedpush
+        component_id = self.component.pk
         xmpp = PushComponent(
             self.component,
             run_blocking=self.gateway.run_blocking,
@@ -114,6 +117,9 @@ class Link:
             ),
             max_in_flight=settings.RELAY["LINK_MAX_IN_FLIGHT"],
             accept_publish=self.gateway.publishes.accept,
+            iq_set_handlers=relay.iq_set_handlers(),
+            on_iq_answer=lambda xml: relay.on_iq_answer(component_id, xml),
+            on_presence=lambda xml: relay.on_presence(component_id, xml),
         )
         self.xmpp = xmpp
 
@@ -125,6 +131,7 @@ class Link:
             nonlocal was_up
             was_up = True
             self.up.set()
+            relay.link_up(component_id, self.component.jid, xmpp)
             log.info("link.up", extra={"component_id": self.component.pk})
             self._report = asyncio.ensure_future(
                 self.gateway.report(self.component.pk, LinkState.UP, "")
@@ -146,6 +153,7 @@ class Link:
             reason = await ended
         finally:
             self.up.clear()
+            relay.link_down(component_id)
             xmpp.cancel_connection_attempt()
             if xmpp.transport is not None:
                 xmpp.abort()
@@ -229,6 +237,7 @@ class Gateway:
         )
         self.links: dict[int, Link] = {}
         self.stopped = asyncio.Event()
+        self.unifiedpush = UnifiedPushRelay(self.run_blocking)
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ORM and broker calls off the event loop; their outages become `Unavailable`."""
@@ -272,10 +281,12 @@ class Gateway:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stopped.set)
         log.info("gateway.started")
+        unifiedpush = asyncio.create_task(self.unifiedpush.run(self.stopped), name="unifiedpush")
         while not self.stopped.is_set():
             await self.sync_links()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopped.wait(), timeout=self.poll_seconds)
+        await unifiedpush  # its last writes need the executor that shutdown() closes
         await self.shutdown()
 
     async def shutdown(self) -> None:

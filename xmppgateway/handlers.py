@@ -12,14 +12,15 @@ from __future__ import annotations
 import logging
 import secrets
 import xml.etree.ElementTree as ET
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from slixmpp.jid import JID, InvalidJID
 
 from relay.models import Component, Service
 from relay.services import channels, publishing, registrations
+from relay.services.unifiedpush import UP_NS
 from xmppgateway.stanzas import (
     COMMANDS_NS,
     DATA_NS,
@@ -97,6 +98,8 @@ class LinkContext:
     max_field_length: int
     run_blocking: RunBlocking
     accept_publish: AcceptPublish | None = None
+    # iq-set payloads by qualified tag, served elsewhere (the UnifiedPush register iq).
+    iq_set_handlers: Mapping[str, IqHandler] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,8 @@ class Request:
 Pending = Coroutine[Any, Any, Answer]
 Outcome = Answer | Pending
 Handler = Callable[[LinkContext, Request], Outcome]
+# A handler for an iq-set payload another module serves (xmppgateway.unifiedpush).
+IqHandler = Callable[[LinkContext, JID, ET.Element], Outcome]
 
 
 # --- disco
@@ -129,13 +134,17 @@ def disco_info(ctx: LinkContext, request: Request) -> Answer:
             q(DISCO_INFO_NS, "identity"),
             {"category": "pubsub", "type": "push", "name": "Push relay"},
         )
-        features = [DISCO_INFO_NS, DISCO_ITEMS_NS, PUSH_NS, COMMANDS_NS, DATA_NS]
+        features = [DISCO_INFO_NS, DISCO_ITEMS_NS]
+        if ctx.component.serves_p2:
+            features += [PUSH_NS, COMMANDS_NS, DATA_NS]
+        if ctx.component.serves_unifiedpush:
+            features.append(UP_NS)
     elif node == COMMANDS_NS:
         ET.SubElement(
             reply, q(DISCO_INFO_NS, "identity"), {"category": "automation", "type": "command-list"}
         )
         features = [DISCO_INFO_NS, DISCO_ITEMS_NS]
-    elif node in COMMANDS:
+    elif node in COMMANDS and ctx.component.serves_p2:
         ET.SubElement(
             reply,
             q(DISCO_INFO_NS, "identity"),
@@ -156,7 +165,7 @@ def disco_items(ctx: LinkContext, request: Request) -> Answer:
     if node:
         reply.set("node", node)
     if node == COMMANDS_NS:
-        for name, description in COMMAND_NAMES.items():
+        for name, description in COMMAND_NAMES.items() if ctx.component.serves_p2 else ():
             ET.SubElement(
                 reply,
                 q(DISCO_ITEMS_NS, "item"),
@@ -188,6 +197,8 @@ def command(ctx: LinkContext, request: Request) -> Outcome:
     spec = COMMANDS.get(name)
     if spec is None:
         return error(*ITEM_NOT_FOUND, "unknown command")
+    if not ctx.component.serves_p2:
+        return error(*SERVICE_UNAVAILABLE, "this component serves UnifiedPush only")
     action = element.get("action", "execute")
     session_id = element.get("sessionid") or secrets.token_hex(8)
     if action == "cancel":
@@ -287,6 +298,8 @@ def publish(ctx: LinkContext, request: Request) -> Outcome:
     sender = request.sender
     if sender.resource:
         return error(*FORBIDDEN, "publish from a full JID")
+    if not ctx.component.serves_p2:
+        return error(*ITEM_NOT_FOUND, "this component serves UnifiedPush only")
     try:
         payload = parse_publish(request.payload, max_length=ctx.max_field_length)
     except BadRequest as bad:
@@ -354,6 +367,9 @@ def dispatch(ctx: LinkContext, iq_type: str, sender: str, payload: ET.Element | 
     if payload is None:
         return error(*BAD_REQUEST, "an iq needs exactly one payload")
     handler = HANDLERS.get((iq_type, payload.tag))
-    if handler is None:
-        return error(*SERVICE_UNAVAILABLE)
-    return handler(ctx, Request(iq_type, jid, payload))
+    if handler is not None:
+        return handler(ctx, Request(iq_type, jid, payload))
+    served_elsewhere = ctx.iq_set_handlers.get(payload.tag) if iq_type == "set" else None
+    if served_elsewhere is not None:
+        return served_elsewhere(ctx, jid, payload)
+    return error(*SERVICE_UNAVAILABLE)

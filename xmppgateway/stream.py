@@ -15,8 +15,10 @@ with a loop over the same `XMLPullParser` that:
 - closes with a well-formed `<stream:error>` that never repeats input;
 - hands every iq of type get/set straight to `on_request` (the gateway answers those itself,
   synchronously where it can), and only what slixmpp must see (the handshake, stream errors,
-  iq results and errors) to slixmpp's own handling (`_spawn_event`). Messages and presence are
-  dropped: the relay offers nothing for them.
+  iq results and errors) to slixmpp's own handling (`_spawn_event`), except the answers
+  `on_answer` takes (the phones' answers to UnifiedPush pushes, sent as raw XML) and presence,
+  which goes to `on_presence` (a phone announcing it is back). Messages are dropped: the relay
+  offers nothing for them.
 
 It also stops writing when the peer stops reading (`pause_writing` pauses reading, so a peer
 that never reads our answers cannot grow our write buffer), and `release()` ends the output
@@ -53,6 +55,7 @@ FEED_SLICE = 4096
 CLOSE_GRACE_SECONDS = 5.0
 
 _IQ_TAGS = frozenset({f"{{{ACCEPT_NS}}}iq", f"{{{CLIENT_NS}}}iq"})
+_PRESENCE_TAGS = frozenset({f"{{{ACCEPT_NS}}}presence", f"{{{CLIENT_NS}}}presence"})
 _FOR_SLIXMPP = frozenset({f"{{{ACCEPT_NS}}}handshake", f"{{{STREAM_NS}}}error"})
 
 
@@ -90,6 +93,13 @@ class GuardedStream(ComponentXMPP):
         """A get/set iq arrived (its element stays valid after this returns; keep only what
         is needed of it: a waiting request holding its stanza holds up to max_stanza_bytes)."""
         raise NotImplementedError
+
+    def on_answer(self, iq: ET.Element) -> bool:
+        """A result or error iq: True when it answered a request sent outside slixmpp."""
+        return False
+
+    def on_presence(self, presence: ET.Element) -> None:
+        """Presence routed to the component; dropped unless a subclass wants it."""
 
     # --- reading
 
@@ -170,8 +180,10 @@ class GuardedStream(ComponentXMPP):
         if tag in _IQ_TAGS:
             if element.get("type") in ("get", "set"):
                 self.on_request(element)
-            else:
+            elif not self.on_answer(element):
                 self._spawn_event(element)  # results and errors of our own requests
+        elif tag in _PRESENCE_TAGS:
+            self.on_presence(element)
         elif tag in _FOR_SLIXMPP:
             self._spawn_event(element)
 

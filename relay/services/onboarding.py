@@ -33,6 +33,7 @@ def valid_secret(secret: str) -> bool:
 class ConfigSnippets:
     prosody: str
     ejabberd: str
+    unifiedpush: str = ""  # empty when the component does not serve UnifiedPush
 
 
 def config_snippets(*, component: Component, show_secret: bool) -> ConfigSnippets:
@@ -69,4 +70,28 @@ def config_snippets(*, component: Component, show_secret: bool) -> ConfigSnippet
             "  mod_push: {}",
         ]
     )
-    return ConfigSnippets(prosody=prosody, ejabberd=ejabberd)
+    return ConfigSnippets(
+        prosody=prosody, ejabberd=ejabberd, unifiedpush=unifiedpush_snippet(component=component)
+    )
+
+
+def unifiedpush_snippet(*, component: Component) -> str:
+    """What the operator's reverse proxy and the users need for UnifiedPush on this component."""
+    if not component.serves_unifiedpush:
+        return ""
+    base = component.unifiedpush_endpoint_url.rstrip("/")
+    days = component.unifiedpush_token_lifetime_days
+    return "\n".join(
+        [
+            f"# Endpoints are {base}/push/<token> (valid {days} days, renewed by the phone);",
+            f"# the Matrix push gateway is {base}/_matrix/push/v1/notify.",
+            "# The reverse proxy in front of the relay's web process must pass these paths",
+            "# (nginx; keep request bodies up to 4096 bytes for /push/):",
+            "location /push/ { proxy_pass http://127.0.0.1:8000; client_max_body_size 8k; }",
+            "location /_matrix/push/ { proxy_pass http://127.0.0.1:8000; }",
+            "",
+            "# Users: in Conversations, Settings > UnifiedPush distributor, choose the account",
+            f"# and set the push server to {component.jid}. Their server needs no module for",
+            "# this: it only routes the phone's register iq and our push iqs.",
+        ]
+    )

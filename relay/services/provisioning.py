@@ -10,6 +10,10 @@ relative to the YAML's folder and validated by `relay.services.credentials`, exa
 admin form does. A section that is left out keeps what is stored; a section that is given
 replaces that provider's settings as a whole (so switching APNs from key to certificate auth
 removes the key).
+
+A component serves the p2 commands (`app`), UnifiedPush (`unifiedpush: {endpoint_url,
+token_lifetime_days}`), or both; a component document describes it whole, so leaving out
+`unifiedpush` turns UnifiedPush off for it.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 from django.core.exceptions import ValidationError
+from django.core.validators import URLValidator
 from django.db import transaction
 from slixmpp.jid import JID, InvalidJID
 
@@ -358,10 +364,15 @@ def _component(
         raise ProvisioningError(f"{where}.jid: not a valid JID") from error
     if jid.user or jid.resource:
         raise ProvisioningError(f"{where}.jid: a component JID is a bare domain")
-    app_name = _text(doc, "app", where)
-    app = apps.get(app_name) or App.objects.filter(tenant=tenant, name=app_name).first()
-    if app is None:
-        raise ProvisioningError(f"{where}.app: no app {app_name!r} in this tenant")
+    app_name = _text(doc, "app", where, required=False)
+    app = None
+    if app_name:
+        app = apps.get(app_name) or App.objects.filter(tenant=tenant, name=app_name).first()
+        if app is None:
+            raise ProvisioningError(f"{where}.app: no app {app_name!r} in this tenant")
+    unifiedpush = _unifiedpush_fields(doc, where)
+    if app is None and not unifiedpush["unifiedpush_endpoint_url"]:
+        raise ProvisioningError(f"{where}: give app (p2 commands), unifiedpush, or both")
     try:
         port = int(doc.get("port", 5347))
     except (TypeError, ValueError) as error:
@@ -390,5 +401,38 @@ def _component(
             "host": _text(doc, "host", where, required=False) or "127.0.0.1",
             "port": port,
             "enabled": enabled,
+            **unifiedpush,
         },
     )
+
+
+_UNIFIEDPUSH_KEYS = frozenset({"endpoint_url", "token_lifetime_days"})
+
+
+def _unifiedpush_fields(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    """`unifiedpush: {endpoint_url, token_lifetime_days}`; left out, the component serves none."""
+    section = doc.get("unifiedpush")
+    if section is None:
+        return {"unifiedpush_endpoint_url": "", "unifiedpush_token_lifetime_days": 7}
+    here = f"{where}.unifiedpush"
+    section = _mapping(section, here)
+    _known_keys(section, _UNIFIEDPUSH_KEYS, here)
+    url = _text(section, "endpoint_url", here)
+    try:
+        validate_unifiedpush_url(url)
+    except ValidationError as error:
+        raise ProvisioningError(f"{here}.endpoint_url: {error.messages[0]}") from None
+    days = section.get("token_lifetime_days", 7)
+    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 365:
+        raise ProvisioningError(f"{here}.token_lifetime_days: expected a number of days, 1 to 365")
+    return {"unifiedpush_endpoint_url": url, "unifiedpush_token_lifetime_days": days}
+
+
+def validate_unifiedpush_url(url: str) -> None:
+    """An http(s) base URL without query or fragment: endpoints are `<url>/push/<token>`."""
+    URLValidator(schemes=["https", "http"])(url)
+    parts = urlsplit(url)
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValidationError("a base URL without user, query or fragment")
+    if len(url) > 200:
+        raise ValidationError("at most 200 characters (an endpoint may not exceed 1000 bytes)")

@@ -27,6 +27,7 @@ from relay.models import (
     Registration,
     Tenant,
     TenantStaffGroup,
+    UnifiedPushDelivery,
     WnsDevice,
 )
 
@@ -46,6 +47,7 @@ TENANT_PATHS: dict[type[models.Model], str] = {
     Delivery: "tenant",
     DeadLetter: "tenant",
     TenantStaffGroup: "tenant",
+    UnifiedPushDelivery: "tenant",
 }
 
 # What a new tenant staff group may do; credentials stay write-only for them in any case, and
@@ -65,6 +67,7 @@ DEFAULT_STAFF_PERMISSIONS: tuple[str, ...] = (
     "view_delivery",
     "view_deadletter",
     "change_deadletter",
+    "view_unifiedpushdelivery",
 )
 
 _CACHE_ATTRIBUTE = "_relay_tenant_scope"

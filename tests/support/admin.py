@@ -30,6 +30,7 @@ from relay.models import (
     Service,
     Tenant,
     TenantStaffGroup,
+    UnifiedPushDelivery,
 )
 from relay.services import tenancy
 from relay.services.queue import SendJob
@@ -121,6 +122,16 @@ def build_tenant(marker: str) -> TenantWorld:
             received=(now - timedelta(hours=1)).isoformat(),
         ).to_message(),
     )
+    unifiedpush_delivery = UnifiedPushDelivery.objects.create(
+        tenant=tenant,
+        component=component,
+        outcome="delivered",
+        urgency=2,
+        received=now - timedelta(minutes=3),
+        finished=now - timedelta(minutes=3),
+        size=len(marker) * 100,
+        ttl=60,
+    )
     group = tenancy.create_staff_group(tenant=tenant, name=f"{marker} staff")
     binding = TenantStaffGroup.objects.get(group=group)
     world = TenantWorld(
@@ -135,7 +146,10 @@ def build_tenant(marker: str) -> TenantWorld:
         group=group,
         binding=binding,
     )
-    for obj in (tenant, app, component, link, registration, delivery, dead_letter, binding):
+    for obj in (
+        tenant, app, component, link, registration, delivery, dead_letter, binding,
+        unifiedpush_delivery,
+    ):  # fmt: skip
         world.objects.setdefault(type(obj), []).append(obj)
     return world
 

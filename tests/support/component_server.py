@@ -13,6 +13,7 @@ import secrets
 import socket
 import threading
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 
 STREAM_NS = "http://etherx.jabber.org/streams"
 ACCEPT_NS = "jabber:component:accept"
@@ -170,6 +171,19 @@ class FakeXmppServer:
             found = find()
         assert found is not None
         return found
+
+    def wait_for(
+        self, predicate: Callable[[ET.Element], bool], timeout: float = 10.0, *, count: int = 1
+    ) -> list[ET.Element]:
+        """The first `count` stanzas (ever received) that match, once there are that many."""
+
+        def found() -> list[ET.Element]:
+            return [stanza for stanza in self.stanzas if predicate(stanza)][:count]
+
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(found()) >= count, timeout):
+                raise TimeoutError(f"fewer than {count} matching stanzas in {timeout} s")
+            return found()
 
     def request(self, xml: str, iq_id: str, timeout: float = 10.0) -> ET.Element:
         self.send(xml)

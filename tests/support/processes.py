@@ -113,3 +113,31 @@ def start_worker(**env: str) -> ServiceProcess:
 
 
 test_database_url.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
+def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[ServiceProcess, str]:
+    """The web process as the Procfile runs it (gunicorn), on a free port; and its base URL."""
+    import urllib.request
+
+    from tests.support.ports import free_port
+
+    port = free_port()
+    web = ServiceProcess(
+        "web",
+        [sys.executable, "-m", "gunicorn", "pushsite.wsgi", "--bind", f"127.0.0.1:{port}",
+         "--worker-class", "gthread", "--workers", str(workers), "--threads", str(threads),
+         "--access-logfile", "-", "--logger-class", "pushsite.gunicorn_logging.Logger"],
+        service_env(**env),
+    )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if not web.alive():
+            raise RuntimeError(f"the web process died:\n{web.log_text()[-3000:]}")
+        try:
+            return urllib.request.urlopen(base_url + "/healthz", timeout=1).status == 200
+        except OSError:
+            return False
+
+    wait_until(ready, timeout=30)
+    return web, base_url

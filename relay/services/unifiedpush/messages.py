@@ -1,0 +1,359 @@
+"""What the web process does with the push resource: POST stores, GET discovers, DELETE
+withdraws. Views call these and turn `PushRefused` into the status it names.
+
+| situation                                                  | answer                     |
+|------------------------------------------------------------|----------------------------|
+| token malformed, tampered, truncated, foreign key, expired | 404                        |
+| endpoint revoked (the phone said item-not-found)           | 404                        |
+| component gone, disabled or not serving UnifiedPush        | 404                        |
+| body over 4096 bytes                                       | 413                        |
+| TTL, Topic or Urgency malformed                            | 400                        |
+| too many POSTs for this endpoint or this tenant            | 429 + Retry-After          |
+| tenant suspended, database down                            | 503 + Retry-After          |
+| stored                                                     | 201 + Location + TTL       |
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import math
+import re
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from django.conf import settings
+from django.db import DatabaseError
+
+from relay.models import Component, UnifiedPushUrgency
+from relay.services.unifiedpush import store, tokens
+from relay.services.unifiedpush.keys import keyring
+from relay.services.unifiedpush.limits import TokenBuckets
+from relay.services.unifiedpush.registration import PUSH_PATH
+
+MAX_BODY_BYTES = 4096
+POLICY_SECONDS = 5.0  # how long a web process trusts what it read about a component
+MESSAGE_PATH = PUSH_PATH + "message/"
+_TOPIC = re.compile(r"[A-Za-z0-9_-]{1,32}")
+_URGENCY = {choice.label: choice.value for choice in UnifiedPushUrgency}
+
+
+class PushRefused(Exception):
+    def __init__(self, status: int, reason: str, retry_after: int | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+NOT_FOUND = 404
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    message_id: int
+    location: str
+    ttl: int
+    urgency: str
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """What a POST needs to know about a component and its tenant (cached per process)."""
+
+    component_id: int
+    tenant_id: int
+    serves: bool
+    suspended: bool
+    endpoint_url: str
+    tenant_rate: float | None
+    tenant_burst: float | None
+
+
+class _PolicyCache:
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[float, Policy | None]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, component_id: int) -> Policy | None:
+        now = time.monotonic()
+        entry = self._entries.get(component_id)
+        if entry is not None and entry[0] > now:
+            return entry[1]
+        policy = _read_policy(component_id)
+        with self._lock:
+            if len(self._entries) > 10_000:
+                self._entries.clear()
+            self._entries[component_id] = (now + POLICY_SECONDS, policy)
+        return policy
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _read_policy(component_id: int) -> Policy | None:
+    component = (
+        Component.objects.select_related("tenant")
+        .only(
+            "id",
+            "enabled",
+            "unifiedpush_endpoint_url",
+            "tenant_id",
+            "tenant__suspended",
+            "tenant__rate_limit_per_second",
+            "tenant__rate_limit_burst",
+        )
+        .filter(pk=component_id)
+        .first()
+    )
+    if component is None:
+        return None
+    tenant = component.tenant
+    return Policy(
+        component_id=component.pk,
+        tenant_id=tenant.pk,
+        serves=component.enabled and component.serves_unifiedpush,
+        suspended=tenant.suspended,
+        endpoint_url=component.unifiedpush_endpoint_url,
+        tenant_rate=tenant.rate_limit_per_second,
+        tenant_burst=float(tenant.rate_limit_burst) if tenant.rate_limit_burst else None,
+    )
+
+
+policies = _PolicyCache()
+_endpoint_buckets = TokenBuckets(*settings.RELAY["UNIFIEDPUSH_ENDPOINT_RATE"])
+_tenant_buckets = TokenBuckets(*settings.RELAY["UNIFIEDPUSH_TENANT_RATE"])
+
+
+def reset_limits() -> None:
+    """Forget every bucket and cached policy (tests, and settings changed at run time)."""
+    global _endpoint_buckets, _tenant_buckets
+    _endpoint_buckets = TokenBuckets(*settings.RELAY["UNIFIEDPUSH_ENDPOINT_RATE"])
+    _tenant_buckets = TokenBuckets(*settings.RELAY["UNIFIEDPUSH_TENANT_RATE"])
+    policies.clear()
+
+
+def open_endpoint(token: str, *, now: float) -> tuple[tokens.Endpoint, Policy]:
+    """The endpoint and its component's policy, or 404 (nothing tells the causes apart)."""
+    try:
+        endpoint = tokens.open_token(token, now=now)
+    except tokens.InvalidToken:
+        raise PushRefused(NOT_FOUND, "no such endpoint") from None
+    try:
+        policy = policies.get(endpoint.component_id)
+    except DatabaseError:
+        raise PushRefused(503, "storage unavailable", retry_after=5) from None
+    if policy is None or not policy.serves:
+        raise PushRefused(NOT_FOUND, "no such endpoint")
+    return endpoint, policy
+
+
+def parse_ttl(value: str | None) -> int:
+    """RFC 8030 TTL (1*DIGIT), capped; no TTL gets the default."""
+    maximum = int(settings.RELAY["UNIFIEDPUSH_MAX_TTL_SECONDS"])
+    if value is None or value.strip() == "":
+        return min(maximum, int(settings.RELAY["UNIFIEDPUSH_DEFAULT_TTL_SECONDS"]))
+    value = value.strip()
+    if not value.isascii() or not value.isdigit() or len(value) > 12:
+        raise PushRefused(400, "TTL must be a number of seconds")
+    return min(maximum, int(value))
+
+
+def parse_topic(value: str | None) -> str:
+    """RFC 8030 Topic: at most 32 characters of the base64url alphabet."""
+    if value is None or value == "":
+        return ""
+    if not _TOPIC.fullmatch(value):
+        raise PushRefused(400, "Topic must be 1 to 32 characters of the URL-safe base64 alphabet")
+    return value
+
+
+def parse_urgency(value: str | None) -> int:
+    if value is None or value.strip() == "":
+        return UnifiedPushUrgency.NORMAL
+    urgency = _URGENCY.get(value.strip().lower())
+    if urgency is None:
+        raise PushRefused(400, "Urgency must be very-low, low, normal or high")
+    return urgency
+
+
+def check_length(content_length: int | None) -> None:
+    if content_length is not None and content_length > MAX_BODY_BYTES:
+        raise PushRefused(413, f"a push message is at most {MAX_BODY_BYTES} bytes")
+
+
+def _admit(endpoint: tokens.Endpoint, policy: Policy) -> None:
+    wait = _endpoint_buckets.take((endpoint.kid, endpoint.endpoint_id))
+    if not wait:
+        wait = _tenant_buckets.take(
+            policy.tenant_id, rate=policy.tenant_rate, burst=policy.tenant_burst
+        )
+    if wait:
+        raise PushRefused(429, "too many messages; slow down", retry_after=max(1, math.ceil(wait)))
+
+
+def seal_message(endpoint: tokens.Endpoint, body: bytes) -> bytes:
+    """Routing and body, sealed together: jid length (2) | jid | application | instance | body."""
+    jid = endpoint.jid.encode()
+    return keyring().seal(
+        struct.pack(">H", len(jid)) + jid + endpoint.application + endpoint.instance + body
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    jid: str
+    application: bytes
+    instance: bytes
+    body: bytes
+
+
+def open_message(sealed: bytes) -> Opened:
+    plain = keyring().unseal(sealed)
+    (length,) = struct.unpack_from(">H", plain)
+    jid_end = 2 + length
+    return Opened(
+        jid=plain[2:jid_end].decode(),
+        application=plain[jid_end : jid_end + 32],
+        instance=plain[jid_end + 32 : jid_end + 64],
+        body=plain[jid_end + 64 :],
+    )
+
+
+def endpoint_key(endpoint: tokens.Endpoint) -> str:
+    key = keyring().by_kid(endpoint.kid)
+    assert key is not None  # the token was opened with it
+    return key.keyed_hash(b"endpoint", endpoint.endpoint_id)
+
+
+def recipient_key(endpoint: tokens.Endpoint) -> str:
+    key = keyring().by_kid(endpoint.kid)
+    assert key is not None
+    return key.keyed_hash(b"recipient", endpoint.jid.encode())
+
+
+def recipient_keys(jid: str) -> list[str]:
+    """A phone's keys under every configured key: its messages across a key rotation."""
+    return keyring().keyed_hashes(b"recipient", jid.encode())
+
+
+def topic_key(endpoint: tokens.Endpoint, topic: str) -> str:
+    if not topic:
+        return ""
+    key = keyring().by_kid(endpoint.kid)
+    assert key is not None
+    return key.keyed_hash(b"topic", endpoint.endpoint_id + topic.encode())
+
+
+def message_reference(message_id: int) -> str:
+    """An unguessable name for a stored message: its id and a MAC of it."""
+    raw = struct.pack(">Q", message_id)
+    mac = keyring().current.keyed_hash(b"message", raw)[:24]
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=") + "." + mac
+
+
+def message_id_of(reference: str) -> int | None:
+    encoded, _, mac = reference.partition(".")
+    if len(encoded) != 11 or len(mac) != 24:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(encoded + "=")
+    except (binascii.Error, ValueError):
+        return None
+    if len(raw) != 8:
+        return None
+    for key in keyring().keys:
+        if hmac.compare_digest(key.keyed_hash(b"message", raw)[:24], mac):
+            return int(struct.unpack(">Q", raw)[0])
+    return None
+
+
+def accept(
+    *,
+    token: str,
+    body: bytes,
+    ttl: str | None,
+    topic: str | None,
+    urgency: str | None,
+    now: float | None = None,
+) -> Accepted:
+    """Store one message for the endpoint `token` names (the caller read at most 4097 bytes)."""
+    now = time.time() if now is None else now
+    endpoint, policy = open_endpoint(token, now=now)
+    if len(body) > MAX_BODY_BYTES:
+        raise PushRefused(413, f"a push message is at most {MAX_BODY_BYTES} bytes")
+    granted = parse_ttl(ttl)
+    topic_value = parse_topic(topic)
+    urgency_value = parse_urgency(urgency)
+    if policy.suspended:
+        raise PushRefused(503, "temporarily unavailable", retry_after=60)
+    _admit(endpoint, policy)
+    return store_message(
+        endpoint, policy, body, ttl=granted, topic=topic_value, urgency=urgency_value, now=now
+    )
+
+
+def store_message(
+    endpoint: tokens.Endpoint,
+    policy: Policy,
+    body: bytes,
+    *,
+    ttl: int,
+    topic: str,
+    urgency: int,
+    now: float,
+) -> Accepted:
+    received = datetime.fromtimestamp(now, UTC)
+    message = store.NewMessage(
+        tenant_id=policy.tenant_id,
+        component_id=policy.component_id,
+        endpoint_key=endpoint_key(endpoint),
+        recipient_key=recipient_key(endpoint),
+        topic_key=topic_key(endpoint, topic),
+        urgency=urgency,
+        received=received,
+        expires=received + timedelta(seconds=ttl),
+        endpoint_expires=datetime.fromtimestamp(endpoint.expires, UTC),
+        size=len(body),
+        ttl=ttl,
+        sealed=seal_message(endpoint, body),
+    )
+    try:
+        message_id = store.store(
+            message, max_per_endpoint=int(settings.RELAY["UNIFIEDPUSH_MAX_STORED_PER_ENDPOINT"])
+        )
+    except DatabaseError:
+        raise PushRefused(503, "storage unavailable", retry_after=5) from None
+    if message_id is None:
+        raise PushRefused(NOT_FOUND, "no such endpoint")
+    location = policy.endpoint_url.rstrip("/") + MESSAGE_PATH + message_reference(message_id)
+    return Accepted(
+        message_id=message_id,
+        location=location,
+        ttl=ttl,
+        urgency=UnifiedPushUrgency(urgency).label,
+    )
+
+
+def discover(*, token: str, now: float | None = None) -> None:
+    """GET on an endpoint: 404 unless it is a live endpoint."""
+    open_endpoint(token, now=time.time() if now is None else now)
+
+
+def withdraw(*, reference: str, now: float | None = None) -> None:
+    """DELETE on a message resource: 404 when unknown, already delivered or ended."""
+    message_id = message_id_of(reference)
+    if message_id is None:
+        raise PushRefused(NOT_FOUND, "no such message")
+    moment = datetime.fromtimestamp(time.time() if now is None else now, UTC)
+    try:
+        withdrawn = store.withdraw(message_id=message_id, now=moment)
+    except DatabaseError:
+        raise PushRefused(503, "storage unavailable", retry_after=5) from None
+    if not withdrawn:
+        raise PushRefused(NOT_FOUND, "no such message")

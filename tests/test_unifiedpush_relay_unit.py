@@ -1,0 +1,121 @@
+"""The gateway's UnifiedPush state machine on its own (no network, no database): what it
+sends, what answers it accepts, and what it forgets."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import xml.etree.ElementTree as ET
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from relay.services.unifiedpush import UP_NS, messages, tokens
+from relay.services.unifiedpush.store import StoredMessage
+from xmppgateway.unifiedpush import Recipient, UnifiedPushRelay
+
+pytestmark = pytest.mark.defaults
+
+JID = "juliet@example.com/phone"
+
+
+class Wire:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send_raw(self, data: str | bytes) -> None:
+        self.sent.append(data if isinstance(data, bytes) else data.encode())
+
+
+async def no_database(fn, *args, **kwargs):
+    return [] if fn.__name__ in ("due", "for_recipient", "by_ids") else 0
+
+
+def stored(message_id: int, body: bytes = b"hi", *, ttl: int = 60) -> StoredMessage:
+    _, endpoint = tokens.issue(
+        jid=JID,
+        application=b"a" * 32,
+        instance=b"i" * 32,
+        component_id=1,
+        expires=int(time.time()) + 3600,
+    )
+    now = datetime.now(UTC)
+    return StoredMessage(
+        id=message_id,
+        tenant_id=1,
+        component_id=1,
+        endpoint_key="e" * 32,
+        recipient_key=messages.recipient_key(endpoint),
+        urgency=2,
+        received=now,
+        expires=now + timedelta(seconds=ttl),
+        endpoint_expires=now + timedelta(days=7),
+        size=len(body),
+        ttl=ttl,
+        attempts=0,
+        sealed=messages.seal_message(endpoint, body),
+    )
+
+
+def answer(iq_id: str, sender: str, condition: str | None = None) -> ET.Element:
+    ns = "jabber:component:accept"
+    iq = ET.Element(
+        f"{{{ns}}}iq", {"type": "error" if condition else "result", "id": iq_id, "from": sender}
+    )
+    if condition:
+        error = ET.SubElement(iq, f"{{{ns}}}error", {"type": "cancel"})
+        ET.SubElement(error, f"{{urn:ietf:params:xml:ns:xmpp-stanzas}}{condition}")
+    return iq
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_a_push_iq_carries_the_body_to_the_full_jid():
+    async def scenario():
+        relay, wire = UnifiedPushRelay(no_database), Wire()
+        relay.link_up(1, "up.example.org", wire)
+        relay.consider(stored(7, b"\x00body"))
+        relay.consider(stored(7, b"\x00body"))  # known: not twice
+        return wire.sent
+
+    [sent] = run(scenario())
+    iq = ET.fromstring(sent)
+    assert iq.get("to") == JID and iq.get("from") == "up.example.org" and iq.get("type") == "set"
+    push = iq.find(f"{{{UP_NS}}}push")
+    assert base64.b64decode(push.text) == b"\x00body"
+    assert base64.b64decode(push.get("application")) == b"a" * 32
+
+
+def test_only_the_phone_itself_can_answer_and_a_failure_holds_it_back():
+    async def scenario():
+        relay, wire = UnifiedPushRelay(no_database, retry_base=60, retry_max=60), Wire()
+        relay.link_up(1, "up.example.org", wire)
+        message = stored(8)
+        relay.consider(message)
+        iq_id = ET.fromstring(wire.sent[0]).get("id")
+        assert relay.on_iq_answer(1, answer(iq_id, "mallory@example.com/x"))
+        assert iq_id in relay.in_flight  # still waiting for the phone
+        assert relay.on_iq_answer(1, answer(iq_id, JID, "service-unavailable"))
+        await asyncio.sleep(0)
+        relay.consider(stored(9))  # the same phone: held back now
+        return relay, wire
+
+    relay, wire = run(scenario())
+    assert len(wire.sent) == 1
+    assert len(relay.recipients) == 1 and not relay.in_flight
+
+
+def test_answers_to_unknown_ids_are_left_to_slixmpp():
+    relay = UnifiedPushRelay(no_database)
+    assert relay.on_iq_answer(1, answer("someone-elses", JID)) is False
+
+
+def test_phones_that_never_come_back_are_forgotten():
+    relay = UnifiedPushRelay(no_database, retry_max=10)
+    relay.recipients[(1, "old")] = Recipient(failures=3, retry_at=time.monotonic() - 100)
+    relay.recipients[(1, "recent")] = Recipient(failures=1, retry_at=time.monotonic() + 5)
+    relay._forget_old_recipients()
+    assert list(relay.recipients) == [(1, "recent")]

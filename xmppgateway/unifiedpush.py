@@ -1,0 +1,513 @@
+"""UnifiedPush in the gateway: the register iq, and relaying stored messages to phones.
+
+The web process stores each POST (`relay.services.unifiedpush.store`) and wakes us: on
+PostgreSQL with NOTIFY (the payload carries the sealed message, so nothing is read back), and
+on every database with a periodic sweep for messages that are due (the only wake-up on
+SQLite, hence a short interval there). We send each message as `<push>` iq on the link of its
+component, straight onto the transport (no slixmpp stanza objects on this path), and the
+phone's answer (caught before slixmpp builds a stanza, see `PushComponent`) decides:
+
+- `result`: delivered; deleted in batches (one statement per few milliseconds).
+- `item-not-found`, `feature-not-implemented`: the endpoint is revoked.
+- anything else, or no answer within UNIFIEDPUSH_ANSWER_TIMEOUT_SECONDS: the phone is away.
+  It gets nothing more until a retry with backoff (the oldest message first, as a probe),
+  a directed presence, or a new registration shows it is back; then everything stored for
+  it goes out, oldest first. A late `result` to a timed-out push still counts as delivered.
+
+State here is only a cache: after a restart the sweep finds every stored message again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+import xml.etree.ElementTree as ET
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+from xml.sax.saxutils import quoteattr
+
+from django.conf import settings
+from django.db import connection
+from slixmpp.jid import JID
+
+from relay.models import UnifiedPushOutcome
+from relay.services.unifiedpush import UP_NS, delivery, messages, registration, store
+from relay.services.unifiedpush.delivery import Fate
+from relay.services.unifiedpush.keys import Unsealable
+from relay.services.unifiedpush.store import StoredMessage
+from xmppgateway import handlers
+from xmppgateway.handlers import Answer, LinkContext, RunBlocking, Unavailable
+
+log = logging.getLogger(__name__)
+
+COMPONENT_NS = "jabber:component:accept"
+IQ_TAG = f"{{{COMPONENT_NS}}}iq"
+PRESENCE_TAG = f"{{{COMPONENT_NS}}}presence"
+ERROR_TAG = f"{{{COMPONENT_NS}}}error"
+STANZAS_NS = "urn:ietf:params:xml:ns:xmpp-stanzas"
+REGISTER_TAG = f"{{{UP_NS}}}register"
+
+MAX_IN_FLIGHT = 5000  # pushes awaiting an answer, all links; beyond, the sweep sends later
+LATE_ANSWERS = 10_000  # timed-out pushes whose late `result` still counts
+FINISH_WINDOW = 0.02  # seconds a delivered message waits to be deleted with others
+FINISH_BATCH = 500
+SWEEP_LIMIT = 1000
+EXPIRY_SECONDS = 5.0
+
+
+class Sender(Protocol):
+    def send_raw(self, data: str | bytes) -> None: ...
+
+
+@dataclass(slots=True)
+class InFlight:
+    message: StoredMessage
+    jid: str
+    sent: float
+
+
+@dataclass(slots=True)
+class Recipient:
+    """A phone that did not take its last push: held back until `retry_at` or its return."""
+
+    failures: int = 0
+    retry_at: float = 0.0
+    probing: bool = False
+
+
+@dataclass(slots=True)
+class _Link:
+    sender: Sender
+    component_jid: str
+
+
+def push_iq(
+    *, iq_id: str, component_jid: str, jid: str, application: bytes, instance: bytes, body: bytes
+) -> bytes:
+    """The `<push>` iq of the `up` protocol, as bytes for the transport."""
+    return (
+        f"<iq type='set' id='{iq_id}' from={quoteattr(component_jid)} to={quoteattr(jid)}>"
+        f"<push xmlns='{UP_NS}' application='{base64.b64encode(application).decode()}' "
+        f"instance='{base64.b64encode(instance).decode()}'>{base64.b64encode(body).decode()}"
+        "</push></iq>"
+    ).encode()
+
+
+def error_condition(iq: ET.Element) -> str | None:
+    error = iq.find(ERROR_TAG)
+    if error is None:
+        return None
+    for child in error:
+        if child.tag.startswith(f"{{{STANZAS_NS}}}") and not child.tag.endswith("}text"):
+            return child.tag.split("}", 1)[1]
+    return None
+
+
+def _listen_params() -> dict[str, Any]:
+    params = dict(connection.get_connection_params())
+    for key in ("cursor_factory", "context", "prepare_threshold"):
+        params.pop(key, None)
+    return params
+
+
+@dataclass
+class UnifiedPushRelay:
+    """Every link's UnifiedPush traffic, in the gateway's event loop (no locks needed)."""
+
+    run_blocking: RunBlocking
+    answer_timeout: float = field(
+        default_factory=lambda: settings.RELAY["UNIFIEDPUSH_ANSWER_TIMEOUT_SECONDS"]
+    )
+    retry_base: float = field(
+        default_factory=lambda: settings.RELAY["UNIFIEDPUSH_RETRY_BASE_SECONDS"]
+    )
+    retry_max: float = field(
+        default_factory=lambda: settings.RELAY["UNIFIEDPUSH_RETRY_MAX_SECONDS"]
+    )
+    sweep_seconds: float = field(
+        default_factory=lambda: settings.RELAY["UNIFIEDPUSH_SWEEP_SECONDS"]
+    )
+    links: dict[int, _Link] = field(default_factory=dict)
+    in_flight: dict[str, InFlight] = field(default_factory=dict)
+    late: OrderedDict[str, InFlight] = field(default_factory=OrderedDict)
+    known: set[int] = field(default_factory=set)
+    recipients: dict[tuple[int, str], Recipient] = field(default_factory=dict)
+    _finishing: dict[str, list[int]] = field(default_factory=dict)
+    _finish_timer: asyncio.TimerHandle | None = None
+    _sweep_wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _last_expiry: float = 0.0
+    _stopping: bool = False
+
+    # --- wiring (xmppgateway.gateway)
+
+    def iq_set_handlers(self) -> dict[str, handlers.IqHandler]:
+        return {REGISTER_TAG: self.register}
+
+    def link_up(self, component_id: int, component_jid: str, sender: Sender) -> None:
+        self.links[component_id] = _Link(sender, component_jid)
+        self._sweep_wanted.set()
+
+    def link_down(self, component_id: int) -> None:
+        """Answers cannot come over a dead link: its pushes go out again once it is back."""
+        self.links.pop(component_id, None)
+        for iq_id, entry in list(self.in_flight.items()):
+            if entry.message.component_id == component_id:
+                del self.in_flight[iq_id]
+                self.known.discard(entry.message.id)
+
+    async def run(self, stopped: asyncio.Event) -> None:
+        tasks = [asyncio.create_task(self._sweep_loop(), name="unifiedpush-sweep")]
+        if connection.vendor == "postgresql":
+            tasks.append(asyncio.create_task(self._listen_loop(), name="unifiedpush-listen"))
+        try:
+            await stopped.wait()
+        finally:
+            self._stopping = True
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._drain_finishes()
+
+    # --- the register iq
+
+    async def register(self, ctx: LinkContext, sender: JID, element: ET.Element) -> Answer:
+        if not ctx.component.serves_unifiedpush:
+            return handlers.error(*handlers.SERVICE_UNAVAILABLE)
+        try:
+            registered = await ctx.run_blocking(
+                registration.register,
+                component_id=ctx.component.pk,
+                jid=str(sender),
+                domain=sender.domain,
+                has_resource=bool(sender.resource and sender.user),
+                application=element.get("application"),
+                instance=element.get("instance"),
+                now=time.time(),
+            )
+        except registration.Refused as refused:
+            return handlers.error(
+                refused.refusal.condition, refused.refusal.error_type, refused.text
+            )
+        except Unavailable:
+            return handlers.error(*handlers.TRY_LATER)
+        self.recipient_back(ctx.component.pk, registered.recipient_jid)
+        reply = ET.Element(
+            f"{{{UP_NS}}}registered",
+            {"endpoint": registered.endpoint, "expiration": registered.expiration},
+        )
+        return Answer(reply)
+
+    # --- stanzas caught before slixmpp (PushComponent)
+
+    def on_iq_answer(self, component_id: int, iq: ET.Element) -> bool:
+        """A result or error iq: True when it answered one of our pushes."""
+        iq_id = iq.get("id", "")
+        entry = self.in_flight.pop(iq_id, None)
+        late = False
+        if entry is None:
+            entry = self.late.pop(iq_id, None)
+            late = entry is not None
+        if entry is None:
+            return False
+        if iq.get("from") != entry.jid or entry.message.component_id != component_id:
+            # Not from the phone we sent it to: ignore it, keep waiting for the real answer.
+            (self.late if late else self.in_flight)[iq_id] = entry
+            return True
+        outcome = delivery.fate(iq.get("type", ""), error_condition(iq))
+        message = entry.message
+        key = (component_id, message.recipient_key)
+        # Known until its row is gone: a flush or sweep meanwhile must not send it again.
+        self.known.add(message.id)
+        if outcome is Fate.DELIVERED:
+            self._finish_later(message.id, UnifiedPushOutcome.DELIVERED)
+            if self.recipients.pop(key, None) is not None:
+                self._flush_soon(component_id, [message.recipient_key])
+        elif outcome is Fate.REVOKED:
+            self._spawn(self._revoke(message))
+        elif not late:
+            self._failed(message)
+        else:
+            self.known.discard(message.id)  # a late error: it stays stored, retried later
+        return True
+
+    def on_presence(self, component_id: int, presence: ET.Element) -> bool:
+        """Directed presence from a phone: available flushes what is stored for it."""
+        presence_type = presence.get("type")
+        if presence_type not in (None, "unavailable"):
+            return False
+        sender = presence.get("from", "")
+        if "/" not in sender or "@" not in sender.split("/", 1)[0]:
+            return False
+        if presence_type is None:
+            self.recipient_back(component_id, sender)
+        else:
+            for key in messages.recipient_keys(sender):
+                state = self.recipients.setdefault((component_id, key), Recipient())
+                state.failures = max(state.failures, 1)
+                state.retry_at = time.monotonic() + self.retry_max
+                state.probing = False
+        return True
+
+    def recipient_back(self, component_id: int, jid: str) -> None:
+        keys = messages.recipient_keys(jid)
+        for key in keys:
+            self.recipients.pop((component_id, key), None)
+        self._flush_soon(component_id, keys)
+
+    # --- sending
+
+    def consider(self, message: StoredMessage, *, flush: bool = False) -> None:
+        """Send a stored message now if its phone and link allow it; otherwise it waits."""
+        if message.id in self.known:
+            return
+        link = self.links.get(message.component_id)
+        if link is None or len(self.in_flight) >= MAX_IN_FLIGHT:
+            return
+        state = self.recipients.get((message.component_id, message.recipient_key))
+        held = state is not None and (state.probing or time.monotonic() < state.retry_at)
+        if held and not flush:
+            return
+        now = datetime.now(UTC)
+        if not delivery.sendable(message, now):
+            self.known.add(message.id)
+            self._finish_later(message.id, UnifiedPushOutcome.EXPIRED)
+            return
+        try:
+            opened = messages.open_message(message.sealed)
+        except (Unsealable, ValueError):
+            log.error("unifiedpush.unsealable", extra={"component_id": message.component_id})
+            return
+        if state is not None and not flush:
+            state.probing = True
+        iq_id = f"up{message.id}.{message.attempts}"
+        self.in_flight[iq_id] = InFlight(message, opened.jid, time.monotonic())
+        self.known.add(message.id)
+        link.sender.send_raw(
+            push_iq(
+                iq_id=iq_id,
+                component_jid=link.component_jid,
+                jid=opened.jid,
+                application=opened.application,
+                instance=opened.instance,
+                body=opened.body,
+            )
+        )
+
+    def on_notify(self, payload: str) -> None:
+        """One notification per stored batch: a line per message, in the order stored."""
+        too_big = []
+        for line in payload.split("\n"):
+            try:
+                parsed = store.parse_notify_payload(line)
+            except (ValueError, IndexError):
+                log.error("unifiedpush.bad_notification")
+                continue
+            if isinstance(parsed, int):
+                too_big.append(parsed)
+            else:
+                self.consider(parsed)
+        if too_big:
+            self._spawn(self._send_by_ids(too_big))
+
+    async def _send_by_ids(self, ids: list[int]) -> None:
+        with contextlib.suppress(Unavailable):
+            for message in await self.run_blocking(store.by_ids, ids):
+                self.consider(message)
+
+    def _flush_soon(self, component_id: int, recipient_keys: list[str]) -> None:
+        if component_id in self.links:
+            self._spawn(self._flush(component_id, recipient_keys))
+
+    async def _flush(self, component_id: int, recipient_keys: list[str]) -> None:
+        try:
+            stored = await self.run_blocking(
+                store.for_recipient, component_id=component_id, recipient_keys=recipient_keys
+            )
+        except Unavailable:
+            return  # the sweep finds them later
+        for message in stored:
+            self.consider(message, flush=True)
+
+    # --- outcomes
+
+    def _failed(self, message: StoredMessage, *, answered: bool = True) -> None:
+        """The phone did not take it. Unanswered, the push most likely waits in a hibernated
+        session on the phone's server, which answers it on resumption (or bounces it when the
+        session dies): sending it again soon would only queue a duplicate, so the retry then
+        waits the longest backoff; a late answer, presence or registration comes first."""
+        key = (message.component_id, message.recipient_key)
+        state = self.recipients.setdefault(key, Recipient())
+        state.failures += 1
+        state.probing = False
+        delay = delivery.retry_delay(state.failures, base=self.retry_base, maximum=self.retry_max)
+        if not answered:
+            delay = self.retry_max
+        state.retry_at = time.monotonic() + delay
+        until = datetime.now(UTC) + timedelta(seconds=delay)
+        if until >= message.expires:
+            self._finish_later(message.id, UnifiedPushOutcome.EXPIRED)
+            return
+        self.known.discard(message.id)
+        self._spawn(self._postpone(message, until))
+
+    async def _postpone(self, message: StoredMessage, until: datetime) -> None:
+        with contextlib.suppress(Unavailable):
+            await self.run_blocking(
+                store.postpone,
+                component_id=message.component_id,
+                recipient_key=message.recipient_key,
+                failed_ids=[message.id],
+                until=until,
+            )
+
+    async def _revoke(self, message: StoredMessage) -> None:
+        try:
+            ended = await self.run_blocking(
+                store.revoke,
+                endpoint_key=message.endpoint_key,
+                tenant_id=message.tenant_id,
+                until=message.endpoint_expires,
+                now=datetime.now(UTC),
+            )
+        except Unavailable:
+            self.known.discard(message.id)  # retried later; the phone will refuse it again
+            return
+        self.known.discard(message.id)
+        log.info(
+            "unifiedpush.revoked",
+            extra={"component_id": message.component_id, "messages_ended": ended},
+        )
+
+    def _finish_later(self, message_id: int, outcome: str) -> None:
+        batch = self._finishing.setdefault(outcome, [])
+        batch.append(message_id)
+        if len(batch) >= FINISH_BATCH:
+            self._flush_finishes()
+        elif self._finish_timer is None:
+            self._finish_timer = asyncio.get_running_loop().call_later(
+                FINISH_WINDOW, self._flush_finishes
+            )
+
+    def _flush_finishes(self) -> None:
+        if self._finish_timer is not None:
+            self._finish_timer.cancel()
+            self._finish_timer = None
+        batches, self._finishing = self._finishing, {}
+        for outcome, ids in batches.items():
+            if ids:
+                self._spawn(self._finish(outcome, ids))
+
+    async def _finish(self, outcome: str, ids: list[int]) -> None:
+        try:
+            await self.run_blocking(
+                store.finish,
+                ids=ids,
+                outcome=outcome,
+                now=datetime.now(UTC),
+                answered=outcome == UnifiedPushOutcome.DELIVERED,
+            )
+        except Exception as error:  # the database is down: keep them, try again shortly
+            log.warning("unifiedpush.finish_failed", extra={"error_type": type(error).__name__})
+            if self._stopping:
+                return  # still stored: sent again after the restart (at least once)
+            await asyncio.sleep(1.0)
+            for message_id in ids:
+                self._finish_later(message_id, outcome)
+            return
+        self.known.difference_update(ids)
+
+    async def _drain_finishes(self) -> None:
+        self._flush_finishes()
+        pending = [task for task in self._tasks if not task.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
+
+    # --- background
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _check_timeouts(self) -> None:
+        deadline = time.monotonic() - self.answer_timeout
+        expired = []
+        for iq_id, entry in self.in_flight.items():
+            if entry.sent > deadline:
+                break  # sent in order: the rest are younger
+            expired.append(iq_id)
+        for iq_id in expired:
+            entry = self.in_flight.pop(iq_id)
+            self.late[iq_id] = entry
+            self._failed(entry.message, answered=False)
+        while len(self.late) > LATE_ANSWERS:
+            self.late.popitem(last=False)
+
+    def _forget_old_recipients(self) -> None:
+        """Phones that never came back: their backoff state is no use once long past."""
+        horizon = time.monotonic() - 2 * self.retry_max
+        for key in [k for k, state in self.recipients.items() if state.retry_at < horizon]:
+            del self.recipients[key]
+
+    async def _sweep(self) -> None:
+        self._check_timeouts()
+        self._forget_old_recipients()
+        now = datetime.now(UTC)
+        if time.monotonic() - self._last_expiry > EXPIRY_SECONDS:
+            self._last_expiry = time.monotonic()
+            with contextlib.suppress(Unavailable):
+                await self.run_blocking(
+                    store.expire, now=now, grace=timedelta(seconds=self.answer_timeout)
+                )
+        component_ids = list(self.links)
+        if not component_ids:
+            return
+        try:
+            due = await self.run_blocking(
+                store.due, component_ids=component_ids, now=now, limit=SWEEP_LIMIT
+            )
+        except Unavailable:
+            return
+        for message in due:
+            self.consider(message)
+
+    async def _sweep_loop(self) -> None:
+        while not self._stopping:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can turn a cancellation
+            # that meets its own timeout into a TimeoutError, and the loop would never end.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.sweep_seconds):
+                    await self._sweep_wanted.wait()
+            self._sweep_wanted.clear()
+            try:
+                await self._sweep()
+            except Exception as error:  # a bug must not stop the safety net
+                log.exception(
+                    "unifiedpush.sweep_crashed", extra={"error_type": type(error).__name__}
+                )
+
+    async def _listen_loop(self) -> None:
+        import psycopg
+
+        delay = 0.5
+        while not self._stopping:
+            try:
+                params = _listen_params()
+                conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
+                async with conn:
+                    await conn.execute(f"LISTEN {store.CHANNEL}")
+                    log.info("unifiedpush.listening")
+                    delay = 0.5
+                    self._sweep_wanted.set()  # whatever came while we did not listen
+                    async for notification in conn.notifies():
+                        self.on_notify(notification.payload)
+            except (psycopg.Error, OSError) as error:
+                log.warning("unifiedpush.listen_lost", extra={"error_type": type(error).__name__})
+            await asyncio.sleep(delay)
+            delay = min(10.0, delay * 2)
