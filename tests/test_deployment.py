@@ -166,7 +166,7 @@ def normalized(argv: list[str]) -> list[str]:
 
 def variables_the_code_reads() -> set[str]:
     pattern = re.compile(
-        r"(?:os\.environ\.get|os\.getenv|\benv\.get|\b_?env_[a-z]+|_beat_time)"
+        r"(?:os\.environ\.get|os\.getenv|\benv\.get|\b_?env_[a-z_]+|_beat_time)"
         r"\(\s*(?:env,\s*)?\"([A-Z][A-Z0-9_]*)\"|os\.environ\[\s*\"([A-Z][A-Z0-9_]*)\"\s*\]"
     )
     found: set[str] = set()
@@ -230,6 +230,7 @@ def required_values() -> dict[str, str]:
     return {
         "SECRET_KEY": "k" * 40 + "-deployment-test-" + "z" * 20,
         "CREDENTIAL_KEYS": Fernet.generate_key().decode(),
+        "UNIFIEDPUSH_KEYS": Fernet.generate_key().decode(),  # base64url of 32 bytes, too
         "ALLOWED_HOSTS": HOST,
         "CSRF_TRUSTED_ORIGINS": f"https://{HOST}",
         "POSTGRES_PASSWORD": "compose-test-password",
@@ -341,7 +342,10 @@ def test_env_example_lists_every_variable_the_code_and_the_command_lines_read():
         if re.match(r"(# )?[A-Z][A-Z0-9_]*=", line):
             assert index and lines[index - 1].startswith("#"), f"no comment for {line!r}"
     # The required ones are set (empty) rather than commented out, so they cannot be missed.
-    required = {"DEPLOYMENT", "SECRET_KEY", "CREDENTIAL_KEYS", "ALLOWED_HOSTS", "POSTGRES_PASSWORD"}
+    required = {
+        "DEPLOYMENT", "SECRET_KEY", "CREDENTIAL_KEYS", "UNIFIEDPUSH_KEYS", "ALLOWED_HOSTS",
+        "POSTGRES_PASSWORD",
+    }
     assert required <= set(read_env_file("\n".join(lines)))
 
 

@@ -19,19 +19,19 @@ tenants:
       - name: conversations
     components:
       - jid: up.example.org
-        secret: s3cr3t
+        secret: component-secret-0123456789
         host: 127.0.0.1
         port: 5347
         unifiedpush:
           endpoint_url: https://push.example.org
           token_lifetime_days: 14
       - jid: both.example.org
-        secret: s3cr3t
+        secret: component-secret-0123456789
         app: conversations
         unifiedpush:
           endpoint_url: https://push.example.org/relay/
       - jid: p2.example.org
-        secret: s3cr3t
+        secret: component-secret-0123456789
         app: conversations
 """
 
