@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from pushsite.celery import app as celery_app
 from relay import tasks
-from relay.models import DeadLetter, Delivery, Outcome, Registration, Service
+from relay.models import App, DeadLetter, Delivery, Outcome, Registration, Service
 from relay.providers import registry
 from relay.providers.base import SendResult, Wakeup, send_each
 from relay.providers.fcm import FcmConfig, FcmProvider
@@ -154,6 +154,21 @@ def test_a_batch_with_mixed_verdicts_answers_each_publish(component, clean_state
     assert later.args["message_count"] == 5
     assert later.eta is not None and later.eta > datetime.now(UTC)
     assert "batch-token" not in repr(messages)
+
+
+def test_a_batch_queues_one_message_per_app(component, clean_state):
+    """Sends are acknowledged per message: an app's sends never share a message with another
+    app's, whose stuck provider would otherwise hold their bookkeeping."""
+    other_app = App.objects.create(tenant=component.tenant, name="other-app")
+    first, second = make_registration(component, 30), make_registration(component, 31)
+    third = make_registration(component, 32, app=other_app)
+    fourth = make_registration(component, 33, app=other_app)
+    verdicts = accept_publishes([publish_for(r) for r in (first, third, second, fourth)])
+    assert verdicts == [Verdict.ACCEPTED] * 4
+    messages = take_messages()
+    assert [m.task for m in messages] == ["relay.send_pushes", "relay.send_pushes"]
+    per_message = sorted([job["registration_id"] for job in m.args] for m in messages)
+    assert per_message == sorted([[first.pk, second.pk], [third.pk, fourth.pk]])
 
 
 def test_a_publish_folded_into_a_send_of_the_same_batch_is_accepted(component, clean_state):

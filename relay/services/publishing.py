@@ -135,7 +135,7 @@ class _Pending:
 
 def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
     """`accept_publish` for a batch, one verdict per publish in order: one database query,
-    one throttling round trip, and ONE broker message for the sends that go out now.
+    one throttling round trip, and ONE broker message per app for the sends that go out now.
 
     A publish is ACCEPTED only once its job (or the pending send it folded into) is in the
     broker; when the batch message cannot be queued, every publish that needed it is
@@ -200,11 +200,18 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
                 now_jobs.append((item, job))
 
     failed_push_ids: set[str] = set()
-    try:
-        queue.enqueue_sends([job for _, job in now_jobs])
-    except queue.QueueUnavailable:
-        log.warning("publish.queue_unavailable", extra={"publishes": len(publishes)})
-        failed_push_ids = {item.push_id for item, _ in now_jobs}
+    # One message per app: sends are acknowledged when their whole message is done, so a
+    # message shared with another tenant's stuck provider would hold this app's bookkeeping.
+    per_app: dict[int, list[tuple[_Pending, queue.SendJob]]] = {}
+    for item, job in now_jobs:
+        per_app.setdefault(item.registration.app_id, []).append((item, job))
+    for app_jobs in per_app.values():
+        try:
+            queue.enqueue_sends([job for _, job in app_jobs])
+        except queue.QueueUnavailable:
+            log.warning("publish.queue_unavailable", extra={"publishes": len(app_jobs)})
+            failed_push_ids |= {item.push_id for item, _ in app_jobs}
+    if failed_push_ids:  # the broker is failing: do not wait for it once more per delayed send
         failed_push_ids |= {item.push_id for item, _, _ in later_jobs}
     for item, job, delay in later_jobs:
         # A delayed send has its own due time, so its own message (rare: a repeat publish).
