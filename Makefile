@@ -15,7 +15,7 @@ WITH_SERVICES := $(BIN)/python -m tests.support.services --
 SYSTEM_PACKAGES := python3-venv postgresql redis-server prosody prosody-modules lua-unbound ejabberd \
 	chromium chromium-driver libpostgresql-jdbc-java systemd openjdk-17-jre-headless
 
-.PHONY: run test test-postgres test-defaults lint bench system-deps venv migrate clean
+.PHONY: run test test-postgres test-defaults test-durations lint bench system-deps venv migrate clean
 
 $(STAMP): pyproject.toml
 	@if ! $(PYTHON) -m venv --help >/dev/null 2>&1 || ! $(PYTHON) -c "import ensurepip" 2>/dev/null; then \
@@ -51,22 +51,29 @@ run: $(STAMP) migrate
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# Both suites always run; the target fails at the end if either failed, so one failure never
-# hides the other.
+# Both suites always run, side by side: the PostgreSQL suite in two slices of whole modules
+# (tests/support/shards.py), each under its own private PostgreSQL and Redis and its own VAR_DIR,
+# and the embedded-defaults suite beside them. The target fails at the end if any failed, so one
+# failure never hides another (tests/support/parallel.py prints a summary; logs in var/test-logs).
+SUITE_POSTGRES = VAR_DIR=$$(mktemp -d) $(WITH_SERVICES) $(BIN)/python -m pytest $(PYTEST_ARGS)
+SUITE_DEFAULTS = env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_STATE_URL \
+	VAR_DIR=$$(mktemp -d) $(BIN)/python -m pytest -m defaults $(PYTEST_ARGS)
 test: system-deps $(STAMP) lint
-	@status=0; \
-	$(MAKE) --no-print-directory test-postgres || status=1; \
-	$(MAKE) --no-print-directory test-defaults || status=1; \
-	if [ $$status -ne 0 ]; then echo "make test: a suite failed (see above)"; fi; \
-	exit $$status
+	$(BIN)/python -m tests.support.parallel \
+		--job postgres-1 '$(SUITE_POSTGRES) --shard 1/2' \
+		--job postgres-2 '$(SUITE_POSTGRES) --shard 2/2' \
+		--job defaults '$(SUITE_DEFAULTS)'
 
 test-postgres: $(STAMP)
-	$(WITH_SERVICES) $(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(SUITE_POSTGRES)
 
 # The embedded defaults (SQLite, the file-backed broker) must keep working on a laptop.
 test-defaults: $(STAMP)
-	env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_STATE_URL VAR_DIR=$$(mktemp -d) \
-		$(BIN)/python -m pytest -m defaults $(PYTEST_ARGS)
+	$(SUITE_DEFAULTS)
+
+# Re-record how long each test module takes (tests/durations.json), which the slices balance on.
+test-durations: $(STAMP)
+	$(SUITE_POSTGRES) --durations=0 -q | $(BIN)/python -m tests.support.shards record
 
 # Benchmarks print their figures and write them to bench/results/*.json.
 bench: $(STAMP)

@@ -26,4 +26,4 @@ def send_queue():
     broker.purge()
 
 
-pytest_plugins = ["tests.support.fixtures"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.shards"]

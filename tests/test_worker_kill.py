@@ -134,9 +134,12 @@ def test_sigkill_mid_batch_loses_no_push(scenario, component):
             else:
                 children = children_of(workers[0].process.pid)
                 assert children, "prefork children not found"
+                open_at_kill = fcm.open_connections()
                 for child in children:
                     os.kill(child, signal.SIGKILL)
-                time.sleep(0.3)  # a request a child wrote just before it died is arriving
+                # A request a child wrote just before it died may still be on its way (slow
+                # under load): it is recorded once the fake has read its connection to the end.
+                fcm.wait_closed(open_at_kill, timeout=30)
                 sent_before_kill = set(push_ids_at_fake(fcm))
             with contextlib.suppress(TimeoutError):  # the assertions below say what is missing
                 wait_until(

@@ -346,7 +346,9 @@ class FakeFcm:
         async def shutdown() -> None:
             if self._server is not None:
                 self._server.close()
-            for writer in list(self._writers):
+            with self._cond:
+                writers = list(self._writers)
+            for writer in writers:
                 writer.transport.abort()
             await asyncio.sleep(0)
 
@@ -378,7 +380,8 @@ class FakeFcm:
         return self.url + self.token_path
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
+        with self._cond:
+            self._writers.add(writer)
         try:
             while True:
                 try:
@@ -411,7 +414,9 @@ class FakeFcm:
         except ConnectionError:
             pass
         finally:
-            self._writers.discard(writer)
+            with self._cond:
+                self._writers.discard(writer)
+                self._cond.notify_all()
             writer.close()
 
     def _dispatch(self, method: str, target: str, headers: dict[str, str], body: bytes) -> _Reply:
@@ -541,6 +546,25 @@ class FakeFcm:
                 "token_grants": len(self._grants),
                 "statuses": {str(k): v for k, v in sorted(self._statuses.items())},
             }
+
+    def open_connections(self) -> frozenset[int]:
+        """Which client connections are open now (opaque ids for `wait_closed`)."""
+        with self._cond:
+            return frozenset(id(writer) for writer in self._writers)
+
+    def wait_closed(self, connections: frozenset[int], timeout: float = 30.0) -> None:
+        """Block until every one of `connections` has closed.
+
+        A connection closes here only after its last byte was read, so once a killed client's
+        connections are closed, every request it wrote before it died has been recorded.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while connections & {id(writer) for writer in self._writers}:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("fake FCM: connections still open")
+                self._cond.wait(left)
 
     def wait_for_requests(self, n: int, timeout: float = 5.0) -> list[RecordedSend]:
         """Block until at least `n` sends arrived; all of them, or TimeoutError."""

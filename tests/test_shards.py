@@ -1,0 +1,54 @@
+"""The suite's slices (tests/support/shards.py): together they run every module exactly once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from tests.support.shards import deal, parse_shard, record
+
+
+def test_every_module_lands_in_exactly_one_slice_and_the_slices_balance():
+    durations = {"a": 100.0, "b": 60.0, "c": 50.0, "d": 10.0}
+    modules = ["a", "b", "c", "d", "new"]
+    slices = deal(modules, 2, durations)
+    assert sorted(m for part in slices for m in part) == sorted(modules)
+    loads = [sum(durations.get(m, 55.0) for m in part) for part in slices]  # "new": the median
+    assert max(loads) - min(loads) <= max(durations.values())
+    assert deal(modules, 1, durations) == [sorted(modules, key=lambda m: -durations.get(m, 55))]
+
+
+@pytest.mark.parametrize("value", ["0/2", "3/2", "x", "1/2/3", ""])
+def test_a_bad_shard_is_a_usage_error(value):
+    with pytest.raises(pytest.UsageError):
+        parse_shard(value)
+
+
+def test_durations_are_summed_per_module(tmp_path):
+    lines = [
+        "12.50s call     tests/test_a.py::test_one",
+        "0.50s setup    tests/test_a.py::test_one",
+        "3.00s teardown tests/test_b.py::test_two[prosody]",
+        "872 passed in 1974.03s",
+    ]
+    path = tmp_path / "durations.json"
+    assert record(lines, path) == {"tests/test_a.py": 13.0, "tests/test_b.py": 3.0}
+
+
+def test_the_two_slices_collect_the_whole_suite():
+    def collected(*args: str) -> set[str]:
+        output = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        # Some parameters are drawn at random when collected: compare without them.
+        return Counter(line.split("[", 1)[0] for line in output.splitlines() if "::" in line)
+
+    whole = collected()
+    first, second = collected("--shard", "1/2"), collected("--shard", "2/2")
+    modules = [{test.split("::", 1)[0] for test in part} for part in (first, second)]
+    assert modules[0] and modules[1] and not modules[0] & modules[1]
+    assert first + second == whole
