@@ -497,6 +497,8 @@ class Deployment:
     var_dir: Path
     web_port: int
     postgres: PrivatePostgres
+    gateway_probe_port: int = 0
+    worker_probe_port: int = 0
 
 
 def unit_env(unit: Unit, deployment: Deployment) -> dict[str, str]:
@@ -530,7 +532,7 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
     folder = tmp_path_factory.mktemp("deployment")
     var_dir = folder / "var"
     var_dir.mkdir()
-    web_port = free_port()
+    web_port, gateway_probe_port, worker_probe_port = free_port(), free_port(), free_port()
     with PrivatePostgres() as postgres, PrivateRedis() as redis:
         database = postgres.create_database("relay")
         env_file = folder / "push-relay.env"
@@ -541,11 +543,15 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
                 CELERY_BROKER_URL=redis.url(0),
                 CACHE_URL=redis.url(1),
                 WEB_BIND=f"{LOOPBACK}:{web_port}",
+                GATEWAY_PROBE_LISTEN=f"{LOOPBACK}:{gateway_probe_port}",
+                WORKER_PROBE_LISTEN=f"{LOOPBACK}:{worker_probe_port}",
                 # Beat sends its housekeeping task every second, so the worker runs it here.
                 RELAY_UWPX_STALE_CHECK_SECONDS="1",
             )
         )
-        yield Deployment(env_file, var_dir, web_port, postgres)
+        yield Deployment(
+            env_file, var_dir, web_port, postgres, gateway_probe_port, worker_probe_port
+        )
 
 
 def get(port: int, path: str, **headers: str) -> tuple[int, dict[str, str], str]:
@@ -608,7 +614,12 @@ def test_each_unit_runs_does_its_job_and_stops_cleanly_on_sigterm(deployment):
 
         wait_until(web_answers, timeout=60)
         status, _, body = get(port, "/readyz")
-        assert status == 200 and json.loads(body)["checks"] == {"database": True, "broker": True}
+        assert status == 200 and json.loads(body)["checks"] == {
+            "database": True,
+            "broker": True,
+            "throttling": True,
+            "cache": True,
+        }
         # Behind the TLS proxy (X-Forwarded-Proto: https) the admin answers; without it,
         # production redirects to https.
         status, _, page = get(port, "/admin/login/", **{"X-Forwarded-Proto": "https"})

@@ -85,6 +85,9 @@ def service_env(**overrides: str) -> dict[str, str]:
             "RELAY_SEND_RETRY_MAX_SECONDS": "1",
             "DATABASE_CONN_MAX_AGE": "600",
             "PYTHONUNBUFFERED": "1",
+            # Any free port: several gateways and workers may run at once.
+            "GATEWAY_PROBE_LISTEN": "127.0.0.1:0",
+            "WORKER_PROBE_LISTEN": "127.0.0.1:0",
         }
     )
     env.update(overrides)
@@ -126,7 +129,7 @@ def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[Servic
         "web",
         [sys.executable, "-m", "gunicorn", "pushsite.wsgi", "--bind", f"127.0.0.1:{port}",
          "--worker-class", "gthread", "--workers", str(workers), "--threads", str(threads),
-         "--access-logfile", "-", "--logger-class", "pushsite.gunicorn_logging.Logger"],
+         "--access-logfile", "-", "--config", "python:pushsite.gunicorn_conf"],
         service_env(**env),
     )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
