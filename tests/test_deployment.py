@@ -633,6 +633,17 @@ def test_each_unit_runs_does_its_job_and_stops_cleanly_on_sigterm(deployment):
         assert check.returncode == 0, check.stderr
 
         wait_until(lambda: "gateway.started" in events(processes["gateway"]), timeout=60)
+        # The gateway's and the worker's probe listeners (no component: nothing to wait for).
+        def ready(probe_port: int) -> bool:
+            try:
+                return get(probe_port, "/readyz")[0] == 200
+            except OSError:
+                return False
+
+        for probe_port in (deployment.gateway_probe_port, deployment.worker_probe_port):
+            wait_until(lambda p=probe_port: ready(p), timeout=60)
+            assert get(probe_port, "/healthz")[0] == 200
+            assert "relay_" in get(probe_port, "/metrics")[2]
         # Beat sends the housekeeping task every second; the worker runs it on the database.
         wait_until(lambda: "uwpx.stale_devices_removed" in processes["worker"].log_text(), 90)
         assert "Sending due task remove-stale-uwpx-devices" in processes["beat"].log_text()

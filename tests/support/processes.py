@@ -111,6 +111,22 @@ def worker_argv(
     ]  # fmt: skip
 
 
+def probe_url(process: ServiceProcess, timeout: float = 30.0) -> str:
+    """The base URL of a gateway's or worker's probe listener (port 0: read from its log)."""
+    import json
+
+    def listening() -> str:
+        if not process.alive():
+            raise RuntimeError(f"{process.name} died:\n{process.log_text()[-3000:]}")
+        for line in process.log_text().splitlines():
+            if '"probes.listening"' in line:
+                entry = json.loads(line)
+                return f"http://{entry['host']}:{entry['port']}"
+        return ""
+
+    return str(wait_until(listening, timeout=timeout))
+
+
 def start_worker(**env: str) -> ServiceProcess:
     return ServiceProcess("worker", worker_argv(), service_env(**env))
 
