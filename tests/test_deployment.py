@@ -383,11 +383,21 @@ def test_the_compose_file_wires_databases_healthchecks_and_beat_once(tmp_path):
     assert environment["CACHE_URL"] != environment["CELERY_BROKER_URL"]
     assert services["uwpx"]["environment"]["UWPX_LISTEN_ADDRESS"] == "0.0.0.0"
 
-    # The web process alone has a healthcheck, the image's; beat is one, forever.
+    # The web process has the image's healthcheck, the gateway and the worker probe their own
+    # listener (reachable by Prometheus on the network); beat is one, forever.
     [healthcheck] = [i for i in dockerfile() if i.keyword == "HEALTHCHECK"]
     web_test = services["web"]["healthcheck"]["test"]
     assert json.dumps(web_test[1:]) in healthcheck.arguments and web_test[0] == "CMD"
-    for name in ("gateway", "worker", "beat", "uwpx", "migrate"):
+    for name, variable, port in (
+        ("gateway", "GATEWAY_PROBE_LISTEN", 9101),
+        ("worker", "WORKER_PROBE_LISTEN", 9102),
+    ):
+        assert services[name]["environment"][variable] == f"0.0.0.0:{port}"
+        test = services[name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "/opt/push-relay/deploy/healthcheck.py"], name
+        assert test[3] == f"http://127.0.0.1:{port}/healthz", name
+        assert services[name]["environment"]["DATABASE_URL"] == environment["DATABASE_URL"]
+    for name in ("beat", "uwpx", "migrate"):
         assert services[name]["healthcheck"] == {"disable": True}, name
     assert services["beat"]["deploy"]["replicas"] == 1
     assert all("deploy" not in services[name] for name in APP_SERVICES if name != "beat")

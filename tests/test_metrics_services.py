@@ -8,6 +8,8 @@ gunicorn's workers added up."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import uuid
 from datetime import timedelta
 
@@ -16,6 +18,7 @@ from django.conf import settings
 from django.test import override_settings
 from django.utils import timezone
 from prometheus_client import REGISTRY
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from relay import metrics
@@ -25,6 +28,7 @@ from relay.services import dead_letters, delivery, queue, throttling
 from relay.services.publishing import Publish, Verdict, accept_publish
 from relay.services.registrations import register_device, unregister_device
 from tests.fakes.fcm import FakeFcm
+from tests.support.processes import ROOT
 from tests.support.provider_fakes import configure_fcm
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
@@ -294,3 +298,21 @@ def test_every_request_is_counted_by_handler_and_status():
         before + 1
     )
     assert value("relay_http_requests_total", handler="push", method="other", status="404") >= 1
+
+
+def test_the_dashboard_uses_every_metric_and_no_other():
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "relay.json").read_text())
+    expressions = [
+        target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
+    ]
+    used = {
+        re.sub(r"_(total|bucket|count|sum)$", "", name)
+        for expr in expressions
+        for name in re.findall(r"\brelay_[a-z_]+", expr)
+    }
+    defined = {
+        collector._name  # type: ignore[attr-defined]
+        for collector in vars(metrics).values()
+        if isinstance(collector, MetricWrapperBase)
+    } | set(metrics.STATE_GAUGES)
+    assert used == defined
