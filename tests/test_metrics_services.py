@@ -316,3 +316,15 @@ def test_the_dashboard_uses_every_metric_and_no_other():
         if isinstance(collector, MetricWrapperBase)
     } | set(metrics.STATE_GAUGES)
     assert used == defined
+
+
+@pytest.mark.parametrize(
+    ("listen", "errors"),
+    [("127.0.0.1:9101", 0), ("", 0), ("[::1]:0", 0), ("9101", 1), ("host:port", 1)],
+)
+def test_a_probe_address_that_cannot_be_parsed_is_a_system_check_error(listen, errors):
+    from relay.checks import probe_listen_check
+
+    with override_settings(GATEWAY_PROBE_LISTEN=listen):
+        found = [message.id for message in probe_listen_check()]
+    assert found == ["relay.E120"] * errors
