@@ -48,6 +48,17 @@ def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
+def post(url: str, body: bytes) -> int:
+    request = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
 def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of a /metrics page by (name, sorted labels)."""
     status, text = get(base_url + "/metrics")
@@ -190,11 +201,24 @@ def test_each_process_counts_what_it_did(processes, prosody, fake_fcm, xmpp_clie
             pool.map(lambda _: get(web + "/api/v1/openapi.json")[0], range(API_REQUESTS))
         )
     assert statuses == [200] * API_REQUESTS
+    # Refused API requests are counted by the status they got.
+    refused = [post(web + "/api/v1/apps/no-such-app/uwpx", b"{}") for _ in range(3)]
+    assert all(status >= 400 for status in refused), refused
     web_after = scrape(web)
     assert sample(web_after, "relay_http_requests_total", **labels) == web_before + API_REQUESTS
+    for status in set(refused):
+        assert sample(
+            web_after, "relay_http_requests_total", handler="api", method="POST", status=str(status)
+        ) == refused.count(status)
     per_worker = per_worker_api_requests(processes["metrics_dir"])
     assert len(per_worker) == 2, per_worker  # one file per gunicorn worker
-    assert sum(per_worker) == web_before + API_REQUESTS
+    api_total = sum(
+        value
+        for (name, labels_), value in web_after.items()
+        if name == "relay_http_requests_total" and ("handler", "api") in labels_
+    )
+    assert api_total == web_before + API_REQUESTS + len(refused)
+    assert sum(per_worker) == api_total  # /metrics is the sum of the workers' files
     assert all(count > 0 for count in per_worker), per_worker  # both served some
     # The stored state, read once by the web process.
     app = {"tenant": "acme", "app": "conversations", "provider": "fcm"}
