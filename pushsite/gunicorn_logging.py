@@ -2,7 +2,7 @@
 
 An endpoint URL (`/push/<token>`) lets whoever holds it push to a phone, and a message
 resource (`/push/message/<reference>`) lets them withdraw a message: the access log keeps the
-path's shape and drops those parts. Procfile: `--logger-class pushsite.gunicorn_logging.Logger`.
+path's shape and drops those parts. pushsite/gunicorn_conf.py names it (`logger_class`).
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ STORAGES = {
 if PRODUCTION:
     SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
     # Load balancers probe over plain HTTP: the probes answer there instead of redirecting.
-    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000)
     SECURE_HSTS_INCLUDE_SUBDOMAINS = True
@@ -550,6 +550,14 @@ if _reports_at or _prune_at:
             "task": "relay.prune_records",
             "schedule": crontab(hour=_prune_at[0], minute=_prune_at[1]),
         }
+
+# --- Watching it (README): /metrics and the probes.
+# When set, /metrics (web and the probe listeners) answers only `Authorization: Bearer <token>`.
+METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
+# The gateway's and the worker's listener for /healthz, /readyz and /metrics: host:port (port 0
+# picks a free one, logged at start); empty turns it off. Loopback unless told otherwise.
+GATEWAY_PROBE_LISTEN = os.environ.get("GATEWAY_PROBE_LISTEN", "127.0.0.1:9101")
+WORKER_PROBE_LISTEN = os.environ.get("WORKER_PROBE_LISTEN", "127.0.0.1:9102")
 
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()
 LOGGING = {

@@ -8,6 +8,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
+    path("metrics", views.metrics_view, name="metrics"),
     # /api/v1/openapi.json is the schema, /api/v1/docs the interactive docs.
     path("api/v1/", api_v1.urls),
     # UnifiedPush: endpoints, message resources and the Matrix push gateway (README).

@@ -176,3 +176,27 @@ def unifiedpush_keys_check(app_configs: Any = None, **kwargs: Any) -> list[Check
             )
         ]
     return []
+
+
+@register("relay")
+def probe_listen_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A listener address the gateway or the worker could not parse would only show up as a
+    crash at start; say it here."""
+    from relay.probes import parse_listen
+
+    messages: list[CheckMessage] = []
+    for name in ("GATEWAY_PROBE_LISTEN", "WORKER_PROBE_LISTEN"):
+        try:
+            address = parse_listen(getattr(settings, name, ""))
+        except ValueError:
+            address = None
+            messages.append(
+                Error(
+                    f"{name} must be host:port (e.g. 127.0.0.1:9101), or empty to turn the "
+                    "listener off.",
+                    id="relay.E120",
+                )
+            )
+        if address is not None and not 0 <= address[1] <= 65535:
+            messages.append(Error(f"{name}: the port must be 0 to 65535.", id="relay.E120"))
+    return messages

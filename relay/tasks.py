@@ -107,6 +107,28 @@ def _note_worker_threads(sender: Any = None, **_: object) -> None:
         limits.set_worker_threads(concurrency)
 
 
+_probes: list[Any] = []
+
+
+@worker_init.connect(weak=False)
+def _start_probes(**_: object) -> None:
+    """/healthz, /readyz (database and broker reachable) and /metrics of this worker."""
+    from django.conf import settings
+
+    from relay.probes import ProbeServer
+    from relay.services import health
+
+    probes = ProbeServer("worker", settings.WORKER_PROBE_LISTEN, health.readiness)
+    probes.start()
+    _probes.append(probes)
+
+
+@worker_shutdown.connect(weak=False)
+def _stop_probes(**_: object) -> None:
+    while _probes:
+        _probes.pop().stop()
+
+
 def _close_providers(**_: object) -> None:
     """Close provider connections when a worker stops cleanly (HTTP/2 goodbye to APNs)."""
     registry.close_all()

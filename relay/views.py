@@ -1,8 +1,10 @@
 """Probes for load balancers: thin, the checks themselves live in `relay.services.health`."""
 
-from django.http import HttpRequest, JsonResponse
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from relay.services import health
+from relay import metrics
+from relay.services import health, observability
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
@@ -11,9 +13,17 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 
 def readyz(request: HttpRequest) -> JsonResponse:
-    """Readiness: the database and the broker are reachable."""
-    checks = health.readiness()
+    """Readiness: the database, the broker, the throttling store and the cache answer."""
+    checks = health.web_readiness()
     ready = all(checks.values())
     return JsonResponse(
         {"status": "ok" if ready else "unavailable", "checks": checks}, status=200 if ready else 503
     )
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Prometheus: every gunicorn worker's counters added up, and the stored state."""
+    if not metrics.token_accepted(settings.METRICS_TOKEN, request.headers.get("Authorization", "")):
+        return HttpResponse(status=401, headers={"WWW-Authenticate": "Bearer"})
+    scraped = metrics.registry(metrics.StateCollector(observability.read_state))
+    return HttpResponse(metrics.render(scraped), content_type=metrics.CONTENT_TYPE)

@@ -383,11 +383,21 @@ def test_the_compose_file_wires_databases_healthchecks_and_beat_once(tmp_path):
     assert environment["CACHE_URL"] != environment["CELERY_BROKER_URL"]
     assert services["uwpx"]["environment"]["UWPX_LISTEN_ADDRESS"] == "0.0.0.0"
 
-    # The web process alone has a healthcheck, the image's; beat is one, forever.
+    # The web process has the image's healthcheck, the gateway and the worker probe their own
+    # listener (reachable by Prometheus on the network); beat is one, forever.
     [healthcheck] = [i for i in dockerfile() if i.keyword == "HEALTHCHECK"]
     web_test = services["web"]["healthcheck"]["test"]
     assert json.dumps(web_test[1:]) in healthcheck.arguments and web_test[0] == "CMD"
-    for name in ("gateway", "worker", "beat", "uwpx", "migrate"):
+    for name, variable, port in (
+        ("gateway", "GATEWAY_PROBE_LISTEN", 9101),
+        ("worker", "WORKER_PROBE_LISTEN", 9102),
+    ):
+        assert services[name]["environment"][variable] == f"0.0.0.0:{port}"
+        test = services[name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "/opt/push-relay/deploy/healthcheck.py"], name
+        assert test[3] == f"http://127.0.0.1:{port}/healthz", name
+        assert services[name]["environment"]["DATABASE_URL"] == environment["DATABASE_URL"]
+    for name in ("beat", "uwpx", "migrate"):
         assert services[name]["healthcheck"] == {"disable": True}, name
     assert services["beat"]["deploy"]["replicas"] == 1
     assert all("deploy" not in services[name] for name in APP_SERVICES if name != "beat")
@@ -497,6 +507,8 @@ class Deployment:
     var_dir: Path
     web_port: int
     postgres: PrivatePostgres
+    gateway_probe_port: int = 0
+    worker_probe_port: int = 0
 
 
 def unit_env(unit: Unit, deployment: Deployment) -> dict[str, str]:
@@ -530,7 +542,7 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
     folder = tmp_path_factory.mktemp("deployment")
     var_dir = folder / "var"
     var_dir.mkdir()
-    web_port = free_port()
+    web_port, gateway_probe_port, worker_probe_port = free_port(), free_port(), free_port()
     with PrivatePostgres() as postgres, PrivateRedis() as redis:
         database = postgres.create_database("relay")
         env_file = folder / "push-relay.env"
@@ -541,11 +553,15 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
                 CELERY_BROKER_URL=redis.url(0),
                 CACHE_URL=redis.url(1),
                 WEB_BIND=f"{LOOPBACK}:{web_port}",
+                GATEWAY_PROBE_LISTEN=f"{LOOPBACK}:{gateway_probe_port}",
+                WORKER_PROBE_LISTEN=f"{LOOPBACK}:{worker_probe_port}",
                 # Beat sends its housekeeping task every second, so the worker runs it here.
                 RELAY_UWPX_STALE_CHECK_SECONDS="1",
             )
         )
-        yield Deployment(env_file, var_dir, web_port, postgres)
+        yield Deployment(
+            env_file, var_dir, web_port, postgres, gateway_probe_port, worker_probe_port
+        )
 
 
 def get(port: int, path: str, **headers: str) -> tuple[int, dict[str, str], str]:
@@ -608,7 +624,12 @@ def test_each_unit_runs_does_its_job_and_stops_cleanly_on_sigterm(deployment):
 
         wait_until(web_answers, timeout=60)
         status, _, body = get(port, "/readyz")
-        assert status == 200 and json.loads(body)["checks"] == {"database": True, "broker": True}
+        assert status == 200 and json.loads(body)["checks"] == {
+            "database": True,
+            "broker": True,
+            "throttling": True,
+            "cache": True,
+        }
         # Behind the TLS proxy (X-Forwarded-Proto: https) the admin answers; without it,
         # production redirects to https.
         status, _, page = get(port, "/admin/login/", **{"X-Forwarded-Proto": "https"})
@@ -622,6 +643,17 @@ def test_each_unit_runs_does_its_job_and_stops_cleanly_on_sigterm(deployment):
         assert check.returncode == 0, check.stderr
 
         wait_until(lambda: "gateway.started" in events(processes["gateway"]), timeout=60)
+        # The gateway's and the worker's probe listeners (no component: nothing to wait for).
+        def ready(probe_port: int) -> bool:
+            try:
+                return get(probe_port, "/readyz")[0] == 200
+            except OSError:
+                return False
+
+        for probe_port in (deployment.gateway_probe_port, deployment.worker_probe_port):
+            wait_until(lambda p=probe_port: ready(p), timeout=60)
+            assert get(probe_port, "/healthz")[0] == 200
+            assert "relay_" in get(probe_port, "/metrics")[2]
         # Beat sends the housekeeping task every second; the worker runs it on the database.
         wait_until(lambda: "uwpx.stale_devices_removed" in processes["worker"].log_text(), 90)
         assert "Sending due task remove-stale-uwpx-devices" in processes["beat"].log_text()

@@ -78,12 +78,14 @@ def test_probes_answer_plain_http_in_production_and_everything_else_redirects(tm
     script = (
         "from django.test import Client; c = Client(HTTP_HOST='push.example.org'); "
         "print(c.get('/healthz').status_code, c.get('/readyz').status_code, "
+        "c.get('/metrics').status_code, "
         "c.get('/admin/').status_code, c.get('/healthz', secure=True).status_code)"
     )
     result = manage("shell", "--no-imports", "-c", script, env=production_env(tmp_path))
     assert result.returncode == 0, result.stderr
-    healthz, readyz, admin, secure_healthz = result.stdout.split()[-4:]
+    healthz, readyz, metrics, admin, secure_healthz = result.stdout.split()[-5:]
     assert healthz == "200"
     assert readyz in ("200", "503")  # the probe's own answer, not a redirect
+    assert metrics == "200"  # Prometheus scrapes over plain HTTP too
     assert admin == "301"
     assert secure_healthz == "200"

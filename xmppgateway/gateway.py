@@ -25,7 +25,8 @@ from django.db import Error as DatabaseError
 from django.db import close_old_connections
 
 from relay.models import Component, LinkState
-from relay.services import links, publishing
+from relay.probes import ProbeServer
+from relay.services import health, links, publishing
 from relay.services.publishing import Publish, Verdict
 from relay.services.queue import QueueUnavailable
 from xmppgateway.component import PushComponent
@@ -74,7 +75,7 @@ class Link:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self.gateway.report(self.component.pk, LinkState.DOWN, "")
+        await self.gateway.report(self.component, LinkState.DOWN, "")
 
     async def _run(self) -> None:
         minimum = settings.RELAY["RECONNECT_MIN_SECONDS"]
@@ -95,7 +96,7 @@ class Link:
                     "retry_in": round(wait, 2),
                 },
             )
-            await self.gateway.report(self.component.pk, LinkState.DOWN, reason)
+            await self.gateway.report(self.component, LinkState.DOWN, reason)
             await asyncio.sleep(wait)
             delay = min(maximum, delay * 2)
 
@@ -134,7 +135,7 @@ class Link:
             relay.link_up(component_id, self.component.jid, xmpp)
             log.info("link.up", extra={"component_id": self.component.pk})
             self._report = asyncio.ensure_future(
-                self.gateway.report(self.component.pk, LinkState.UP, "")
+                self.gateway.report(self.component, LinkState.UP, "")
             )
 
         def on_stream_error(stanza: Any) -> None:
@@ -147,7 +148,7 @@ class Link:
         xmpp.add_event_handler("stream_error", on_stream_error)
         xmpp.add_event_handler("connection_failed", lambda e: finish("connection failed"))
         xmpp.add_event_handler("disconnected", lambda e: finish("disconnected"))
-        await self.gateway.report(self.component.pk, LinkState.CONNECTING, "")
+        await self.gateway.report(self.component, LinkState.CONNECTING, "")
         xmpp.connect()
         try:
             reason = await ended
@@ -236,6 +237,7 @@ class Gateway:
             limit=int(settings.RELAY.get("PUBLISH_BATCH_MAX", PUBLISH_BATCH_MAX)),
         )
         self.links: dict[int, Link] = {}
+        self.synced = False
         self.stopped = asyncio.Event()
         self.unifiedpush = UnifiedPushRelay(self.run_blocking)
 
@@ -246,12 +248,20 @@ class Gateway:
             self.executor, functools.partial(_guarded_call, fn, *args, **kwargs)
         )
 
-    async def report(self, component_id: int, state: LinkState, error: str) -> None:
+    async def report(self, component: Component, state: LinkState, error: str) -> None:
+        links.note_link_state(component=component, state=state)
         # The link state is advisory; the database may be the very thing that is down.
         with contextlib.suppress(Unavailable):
             await self.run_blocking(
-                links.record_link_state, component_id=component_id, state=state, error=error
+                links.record_link_state, component_id=component.pk, state=state, error=error
             )
+
+    def link_states(self) -> dict[int, bool]:
+        """Component id -> link up, for /readyz (read from the probe listener's thread); no
+        entry until the components were first read, so a starting gateway is not ready."""
+        if not self.synced:
+            return {0: False}
+        return {pk: link.up.is_set() for pk, link in list(self.links.items())}
 
     async def sync_links(self) -> None:
         try:
@@ -259,6 +269,7 @@ class Gateway:
         except Unavailable:
             log.warning("gateway.components_unavailable")
             return
+        self.synced = True
         wanted = {component.pk: component for component in components}
         for pk in list(self.links):
             link = self.links[pk]
@@ -266,6 +277,7 @@ class Gateway:
                 del self.links[pk]
                 log.info("gateway.link_removed", extra={"component_id": pk})
                 await link.stop()
+                links.forget_link(component=link.component)
         for pk, component in wanted.items():
             if pk not in self.links:
                 log.info("gateway.link_added", extra={"component_id": pk})
@@ -280,6 +292,12 @@ class Gateway:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stopped.set)
+        probes = ProbeServer(
+            "gateway",
+            settings.GATEWAY_PROBE_LISTEN,
+            lambda: health.gateway_readiness(self.link_states()),
+        )
+        probes.start()
         log.info("gateway.started")
         unifiedpush = asyncio.create_task(self.unifiedpush.run(self.stopped), name="unifiedpush")
         while not self.stopped.is_set():
@@ -288,6 +306,7 @@ class Gateway:
                 await asyncio.wait_for(self.stopped.wait(), timeout=self.poll_seconds)
         await unifiedpush  # its last writes need the executor that shutdown() closes
         await self.shutdown()
+        probes.stop()
 
     async def shutdown(self) -> None:
         log.info("gateway.stopping", extra={"links": len(self.links)})

@@ -16,6 +16,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from relay import metrics
 from relay.models import DeadLetter
 from relay.services import queue
 
@@ -72,5 +73,6 @@ def replay(*, dead_letter_ids: Iterable[int]) -> int:
             )
             queue.enqueue_send(job)  # QueueUnavailable rolls the claim back
         replayed += 1
+        metrics.DEAD_LETTERS_REPLAYED.inc()
         log.info("dead_letter.replayed", extra={"push_id": job.push_id})
     return replayed

@@ -49,6 +49,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from django.db.models import Q
 from django.utils import timezone
 
+from relay import metrics
 from relay.models import App, DeadLetter, Delivery, Outcome, Priority, Registration
 from relay.providers import limits, registry
 from relay.providers.base import SendResult, Wakeup
@@ -114,7 +115,8 @@ def _send_group(group: list[tuple[Registration, queue.SendJob]]) -> list[SendRes
         registration.app_id, registration.service, registration.app.updated.isoformat()
     )
     try:
-        return limits.send_group(provider, wakeups, target)
+        with metrics.sending(registration.service, len(wakeups)):
+            return limits.send_group(provider, wakeups, target)
     except Exception as error:  # a provider must classify; a crash is treated as passing trouble
         log.exception("delivery.provider_crashed", extra={"error_type": type(error).__name__})
         return [SendResult(Outcome.RETRY_LATER, error_code="INTERNAL")] * len(group)
@@ -356,6 +358,7 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
             given_up = _retry(job, result, now)
             if not given_up:
                 outcomes[index] = Outcome.RETRY_LATER
+                _count_retry(registration.service, result.error_code or "RETRY_LATER")
                 continue
             result = SendResult(Outcome.FAILED, error_code=result.error_code or "RETRY_LATER")
         elif result.error_code == TOO_OLD:
@@ -370,6 +373,7 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
             book.dead_letters.append(_dead_letter(registration, job, given_up))
         book.deliveries.append(_row(registration, job, result, now))
         outcomes[index] = result.outcome
+        _count_outcome(registration.service, job, result, given_up, now)
         log.info(
             "delivery.done",
             extra={
@@ -387,6 +391,25 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
     except DatabaseUnavailable:
         raise RecordPending(book, outcomes) from None
     return outcomes
+
+
+def _count_retry(provider: str, code: str) -> None:
+    metrics.SENDS.labels(provider, Outcome.RETRY_LATER.value).inc()
+    kind = metrics.retry_kind(
+        code, busy=code in limits.BUSY_CODES, quota=code in QUOTA_CODES
+    )
+    metrics.RETRIES.labels(provider, kind).inc()
+
+
+def _count_outcome(
+    provider: str, job: queue.SendJob, result: SendResult, given_up: str, now: datetime
+) -> None:
+    """A push's final outcome; a delivered one's time since its publish (or replay)."""
+    metrics.SENDS.labels(provider, result.outcome.value).inc()
+    if result.outcome == Outcome.DELIVERED:
+        metrics.PUSH_LATENCY.labels(provider).observe(max(0.0, _age_seconds(job, now)))
+    if given_up:
+        metrics.DEAD_LETTERS.labels(provider, metrics.dead_letter_kind(given_up)).inc()
 
 
 TOO_OLD = "TOO_OLD"

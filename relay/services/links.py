@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.utils import timezone
 
+from relay import metrics
 from relay.models import Component, ComponentLink, LinkState
 
 
@@ -21,3 +22,17 @@ def record_link_state(*, component_id: int, state: LinkState, error: str = "") -
         link.last_error = error[:255]
         link.last_error_at = now
     link.save()
+
+
+def _app_name(component: Component) -> str:
+    return component.app.name if component.app_id is not None else ""
+
+
+def note_link_state(*, component: Component, state: LinkState) -> None:
+    """The link's state for /metrics (relay_gateway_link_up): up, or not (down, connecting)."""
+    metrics.set_link(component.pk, _app_name(component), state == LinkState.UP)
+
+
+def forget_link(*, component: Component) -> None:
+    """A removed or disabled component's link leaves /metrics."""
+    metrics.set_link(component.pk, _app_name(component), None)

@@ -38,6 +38,7 @@ from django.db import DatabaseError
 from django.db.models import Q
 from django.utils import timezone
 
+from relay import metrics
 from relay.models import Registration
 from relay.services import queue, tallies, throttling
 
@@ -147,6 +148,7 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
         found = _find_registrations(publishes)
     except DatabaseError:
         log.warning("publish.database_unavailable", extra={"publishes": len(publishes)})
+        metrics.count_publishes(("", Verdict.UNAVAILABLE.value) for _ in publishes)
         return [Verdict.UNAVAILABLE] * len(publishes)
     pending: list[_Pending] = []
     bound: dict[int, str] = {}  # account domains bound by this batch
@@ -235,7 +237,23 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
             verdicts[item.index] = Verdict.ACCEPTED
     answers = [verdict or Verdict.UNAVAILABLE for verdict in verdicts]
     tallies.record_verdicts(publishes, found, answers, folded={item.index for item, _ in folded})
+    _count(publishes, found, answers)
     return answers
+
+
+def _count(
+    publishes: list[Publish],
+    found: dict[tuple[int, str], Registration],
+    answers: list[Verdict],
+) -> None:
+    """The batch's verdicts by tenant (id; empty when the node is unknown)."""
+
+    def tenant(publish: Publish) -> str:
+        registration = found.get((publish.component_id, publish.node))
+        return str(registration.app.tenant.pk) if registration is not None else ""
+
+    pairs = zip(publishes, answers, strict=True)
+    metrics.count_publishes((tenant(publish), verdict.value) for publish, verdict in pairs)
 
 
 def _check(

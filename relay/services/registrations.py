@@ -22,6 +22,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
+from relay import metrics
 from relay.identifiers import account_hash, new_node, new_secret
 from relay.models import Component, DeadLetter, Delivery, Registration, Service, Tenant
 from relay.services import channels, lifecycle, throttling
@@ -99,10 +100,15 @@ def register_device(
                 updated=timezone.now(),
             )
             lifecycle.renewed(registration, token=token)
+            metrics.REGISTRATIONS.labels(str(component.tenant_id), "renewed").inc()
             return RegistrationAnswer(component.jid, registration.node, registration.secret)
         if not admitted:
             tenant = Tenant.objects.only("pk", "created").get(pk=component.tenant_id)
-            admit_new_registration(tenant=tenant, domain=domain)
+            try:
+                admit_new_registration(tenant=tenant, domain=domain)
+            except RegistrationRefused:
+                metrics.REGISTRATIONS.labels(str(tenant.pk), "refused").inc()
+                raise
             admitted = True
         try:
             with transaction.atomic():
@@ -116,6 +122,7 @@ def register_device(
                 )
                 lifecycle.created([registration])
             _counted(tenant.pk, domain)
+            metrics.REGISTRATIONS.labels(str(tenant.pk), "created").inc()
             return RegistrationAnswer(component.jid, registration.node, registration.secret)
         except IntegrityError:
             # A concurrent registration of the same device won, or (astronomically rarely)
@@ -136,6 +143,7 @@ def unregister_device(
     )
     if not deleted:
         raise UnknownRegistration
+    metrics.REGISTRATIONS.labels(str(component.tenant_id), "unregistered").inc()
 
 
 # --- limits on new registrations -----------------------------------------------------------

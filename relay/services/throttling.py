@@ -148,6 +148,8 @@ class _Store(Protocol):
 
     def reset(self) -> None: ...
 
+    def ping(self) -> None: ...
+
 
 # --- keys and limits ---------------------------------------------------------------------------
 
@@ -278,6 +280,15 @@ def take_tokens(buckets: list[Bucket]) -> Refusal | None:
     if refusal is None:
         return None
     return Refusal(limited[refusal.bucket][0], refusal.retry_after)
+
+
+def reachable() -> bool:
+    """Whether the throttling store answers now (readiness; publishes fail open without it)."""
+    try:
+        _store().ping()
+        return True
+    except StateUnavailable:
+        return False
 
 
 def reset() -> None:
@@ -511,6 +522,12 @@ class _RedisStore:
         index = int(answer[0])
         return None if index < 0 else Refusal(index, max(0.0, float(answer[1])))
 
+    def ping(self) -> None:
+        try:
+            self._client.ping()
+        except self._errors as error:
+            raise StateUnavailable(type(error).__name__) from error
+
     def reset(self) -> None:
         try:
             keys = list(self._client.scan_iter(match=KEY_PREFIX + "*", count=1000))
@@ -689,6 +706,12 @@ class _SqliteStore:
                 )
             return refusal
 
+    def ping(self) -> None:
+        try:
+            self._connection().execute("SELECT 1 FROM buckets LIMIT 1").fetchall()
+        except sqlite3.Error as error:
+            raise StateUnavailable(type(error).__name__) from error
+
     def reset(self) -> None:
         with self._transaction() as conn:
             conn.execute("DELETE FROM buckets")
@@ -759,6 +782,7 @@ __all__ = [
     "abandon",
     "admit",
     "admit_many",
+    "reachable",
     "reset",
     "take",
     "take_tokens",

@@ -85,6 +85,9 @@ def service_env(**overrides: str) -> dict[str, str]:
             "RELAY_SEND_RETRY_MAX_SECONDS": "1",
             "DATABASE_CONN_MAX_AGE": "600",
             "PYTHONUNBUFFERED": "1",
+            # Any free port: several gateways and workers may run at once.
+            "GATEWAY_PROBE_LISTEN": "127.0.0.1:0",
+            "WORKER_PROBE_LISTEN": "127.0.0.1:0",
         }
     )
     env.update(overrides)
@@ -108,6 +111,22 @@ def worker_argv(
     ]  # fmt: skip
 
 
+def probe_url(process: ServiceProcess, timeout: float = 30.0) -> str:
+    """The base URL of a gateway's or worker's probe listener (port 0: read from its log)."""
+    import json
+
+    def listening() -> str:
+        if not process.alive():
+            raise RuntimeError(f"{process.name} died:\n{process.log_text()[-3000:]}")
+        for line in process.log_text().splitlines():
+            if '"probes.listening"' in line:
+                entry = json.loads(line)
+                return f"http://{entry['host']}:{entry['port']}"
+        return ""
+
+    return str(wait_until(listening, timeout=timeout))
+
+
 def start_worker(**env: str) -> ServiceProcess:
     return ServiceProcess("worker", worker_argv(), service_env(**env))
 
@@ -126,7 +145,7 @@ def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[Servic
         "web",
         [sys.executable, "-m", "gunicorn", "pushsite.wsgi", "--bind", f"127.0.0.1:{port}",
          "--worker-class", "gthread", "--workers", str(workers), "--threads", str(threads),
-         "--access-logfile", "-", "--logger-class", "pushsite.gunicorn_logging.Logger"],
+         "--access-logfile", "-", "--config", "python:pushsite.gunicorn_conf"],
         service_env(**env),
     )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,124 @@
+"""Gauges read from the database and the broker when /metrics is scraped (relay/metrics.py).
+
+Counters live in the processes that count; what is stored (registrations, credentials, dead
+letters, the queue) is read here, in the web process only, so that a dashboard summing over
+processes counts it once. Each part that fails (the database or the broker is down) is left
+out and `relay_state_up{source}` says so; a scrape never fails for it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import DatabaseError
+from django.db.models import Count, Q
+from django.utils import timezone
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from pushsite.celery import app as celery_app
+from relay.models import App, DeadLetter, Registration
+
+log = logging.getLogger(__name__)
+
+QUEUE = "celery"  # Celery's default queue: every send task goes there
+
+
+def _app_names() -> dict[int, tuple[str, str]]:
+    return {
+        pk: (tenant, name)
+        for pk, tenant, name in App.objects.values_list("pk", "tenant__name", "name")
+    }
+
+
+def _registrations(apps: dict[int, tuple[str, str]]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "relay_registrations",
+        "Registrations stored, by tenant, app, provider and state (live, dead).",
+        labels=["tenant", "app", "provider", "state"],
+    )
+    rows = Registration.objects.values("app_id", "service").annotate(
+        live=Count("pk", filter=Q(dead_since__isnull=True)),
+        dead=Count("pk", filter=Q(dead_since__isnull=False)),
+    )
+    for row in rows:
+        tenant, app = apps.get(row["app_id"], ("", str(row["app_id"])))
+        family.add_metric([tenant, app, row["service"], "live"], row["live"])
+        family.add_metric([tenant, app, row["service"], "dead"], row["dead"])
+    return family
+
+
+def _credential_expiry() -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "relay_credential_expiry_seconds",
+        "Seconds until a provider credential expires (negative: expired), by tenant and app.",
+        labels=["tenant", "app", "credential"],
+    )
+    now = timezone.now()
+    rows = App.objects.filter(apns_certificate_not_after__isnull=False).values_list(
+        "tenant__name", "name", "apns_certificate_not_after"
+    )
+    for tenant, app, not_after in rows:
+        family.add_metric(
+            [tenant, app, "apns_certificate"], round((not_after - now).total_seconds())
+        )
+    return family
+
+
+def _dead_letters_pending(apps: dict[int, tuple[str, str]]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "relay_dead_letters_pending",
+        "Dead letters not yet replayed, by tenant, app and provider.",
+        labels=["tenant", "app", "provider"],
+    )
+    rows = (
+        DeadLetter.objects.filter(replayed__isnull=True)
+        .values("app_id", "provider")
+        .annotate(count=Count("pk"))
+    )
+    for row in rows:
+        tenant, app = apps.get(row["app_id"], ("", str(row["app_id"])))
+        family.add_metric([tenant, app, row["provider"]], row["count"])
+    return family
+
+
+def queue_depth() -> int:
+    """Sends waiting in the broker for a worker (not those a worker holds for a countdown)."""
+    from kombu.exceptions import ChannelError
+
+    with celery_app.connection_for_read() as conn:
+        conn.ensure_connection(max_retries=1, timeout=2)
+        channel = conn.default_channel
+        try:
+            return int(channel.queue_declare(queue=QUEUE, passive=True).message_count)
+        except ChannelError:  # Redis: an empty queue does not exist
+            return 0
+
+
+def read_state() -> list[Metric]:
+    """The stored state as metric families; what cannot be read is left out."""
+    families: list[Metric] = []
+    up = GaugeMetricFamily(
+        "relay_state_up",
+        "1 when /metrics could read a source of the stored state (database, broker), else 0.",
+        labels=["source"],
+    )
+    try:
+        apps = _app_names()
+        families += [_registrations(apps), _credential_expiry(), _dead_letters_pending(apps)]
+        up.add_metric(["database"], 1)
+    except DatabaseError as error:
+        log.warning("metrics.database_unavailable", extra={"error_type": type(error).__name__})
+        up.add_metric(["database"], 0)
+    try:
+        depth = queue_depth()
+        family = GaugeMetricFamily(
+            "relay_queue_depth", "Messages waiting in the broker's queue.", labels=["queue"]
+        )
+        family.add_metric([QUEUE], depth)
+        families.append(family)
+        up.add_metric(["broker"], 1)
+    except Exception as error:  # kombu, redis and socket errors: the broker is unreachable
+        log.warning("metrics.broker_unavailable", extra={"error_type": type(error).__name__})
+        up.add_metric(["broker"], 0)
+    families.append(up)
+    return families
