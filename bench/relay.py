@@ -152,6 +152,8 @@ def main() -> None:
             await asyncio.to_thread(
                 Registration.objects.bulk_create, registrations, batch_size=2000
             )
+            # As autovacuum would after a while: statistics for the lookup's plan at this size.
+            await asyncio.to_thread(analyze, Registration._meta.db_table)
             env = dict(
                 os.environ,
                 RELAY_GATEWAY_THREADS=str(args.gateway_threads),
@@ -259,3 +261,11 @@ def fetch_fake_records(fake_url: str) -> list[dict[str, object]]:
 
 if __name__ == "__main__":
     main()
+
+
+def analyze(table: str) -> None:
+    from django.db import connection
+
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f'ANALYZE "{table}"')

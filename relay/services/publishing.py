@@ -114,6 +114,7 @@ def _find_registrations(publishes: list[Publish]) -> dict[tuple[int, str], Regis
         Registration.objects.filter(condition)
         .select_related("app__tenant")
         .only(*_REGISTRATION_FIELDS)
+        .order_by()  # the model's default ordering would only make PostgreSQL sort
     )
     return {(row.component_id, row.node): row for row in rows}
 
