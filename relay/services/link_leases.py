@@ -157,9 +157,12 @@ def holds(*, gateway: str, component_id: int) -> bool:
     ).exists()
 
 
-def current_holder(component_id: int) -> str:
-    """The gateway holding a component's link now ("" if none), for the admin."""
-    lease = LinkLease.objects.filter(component_id=component_id).first()
+def holder_of(lease: LinkLease | None) -> str:
+    """The gateway holding a link now ("" if none), for the admin (local clock: display only)."""
     if lease is None or not lease.holder or lease.expires <= datetime.now(UTC):
         return ""
     return lease.holder
+
+
+def current_holder(component_id: int) -> str:
+    return holder_of(LinkLease.objects.filter(component_id=component_id).first())
