@@ -1,15 +1,13 @@
-"""What the gateway reports about its component links, for the admin and health pages."""
+"""What the gateway reports about its component links, for the admin and health pages.
+
+Which links a gateway holds is relay.services.link_leases' business."""
 
 from __future__ import annotations
 
 from django.utils import timezone
 
-from relay.models import Component, ComponentLink, LinkState
+from relay.models import ComponentLink, LinkState
 from relay.services import link_leases
-
-
-def enabled_components() -> list[Component]:
-    return list(Component.objects.filter(enabled=True).select_related("app"))
 
 
 def record_link_state(
