@@ -164,5 +164,24 @@ def holder_of(lease: LinkLease | None) -> str:
     return lease.holder
 
 
+@dataclass(frozen=True)
+class LiveGateway:
+    name: str
+    started: datetime
+    links: int
+
+
+def live_gateways() -> list[LiveGateway]:
+    """The gateways whose heartbeat is current and how many links each holds (health page)."""
+    now = database_now()
+    held: dict[str, int] = {}
+    for holder in LinkLease.objects.filter(expires__gt=now).values_list("holder", flat=True):
+        held[holder] = held.get(holder, 0) + 1
+    return [
+        LiveGateway(gateway.name, gateway.started, held.get(gateway.name, 0))
+        for gateway in GatewayInstance.objects.filter(expires__gt=now).order_by("name")
+    ]
+
+
 def current_holder(component_id: int) -> str:
     return holder_of(LinkLease.objects.filter(component_id=component_id).first())
