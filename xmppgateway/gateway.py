@@ -315,7 +315,10 @@ class Gateway:
             return
         shed = set(result.shed)
         wanted = {c.pk: c for c in result.held if c.pk not in shed}
-        self.deadlines = {pk: deadline for pk in wanted}
+        previous, self.deadlines = self.deadlines, {pk: deadline for pk in wanted}
+        # A link to close whose lease still lasts a graceful close (a disabled component) is
+        # closed gracefully; one whose lease may run out sooner (lost) is cut now.
+        closing_by = time.monotonic() + SHED_GRACE_SECONDS + CLOSE_SECONDS
         held = (len(wanted), result.live_gateways, result.share)
         if held != self._held:
             self._held = held
@@ -327,8 +330,8 @@ class Gateway:
             link = self.links[pk]
             if pk not in wanted or _link_key(wanted[pk]) != link.key:
                 del self.links[pk]
-                if pk not in wanted and pk not in shed:
-                    link.drop()  # lost, disabled or deleted: the lease guards it no more
+                if pk not in wanted and pk not in shed and previous.get(pk, 0.0) < closing_by:
+                    link.drop()
                 log.info("gateway.link_removed", extra={"component_id": pk})
                 self._stop_later(link, release=pk in shed)
         for pk in shed - set(self.stopping):
