@@ -320,6 +320,15 @@ RELAY = {
     # Gateway: reconnect backoff after a lost link (seconds).
     "RECONNECT_MIN_SECONDS": env_float("RELAY_RECONNECT_MIN_SECONDS", 1.0),
     "RECONNECT_MAX_SECONDS": env_float("RELAY_RECONNECT_MAX_SECONDS", 60.0),
+    # Gateway: each component link is held by one gateway at a time under a lease in the
+    # database (relay/services/link_leases.py, README "Scaling out"): it lasts this long
+    # (seconds) and is renewed this often; a gateway that died is replaced after about
+    # LEASE + RENEW seconds. RENEW * 2 + 2 must stay below LEASE (system check relay.E104).
+    "GATEWAY_LEASE_SECONDS": env_float("RELAY_GATEWAY_LEASE_SECONDS", 10.0),
+    "GATEWAY_RENEW_SECONDS": env_float("RELAY_GATEWAY_RENEW_SECONDS", 3.0),
+    # Gateway: its name in the admin (the host name by default; the process id and a random
+    # suffix are added, so two processes never share one).
+    "GATEWAY_NAME": os.environ.get("RELAY_GATEWAY_NAME", ""),
     # Gateway: threads that talk to the database and the broker for stanza handlers.
     "GATEWAY_THREADS": env_int("RELAY_GATEWAY_THREADS", 8),
     # Largest value of a single form field we accept in a stanza (characters).

@@ -57,7 +57,7 @@ from relay.models import (
     UnifiedPushDelivery,
 )
 from relay.services import credentials as credential_service
-from relay.services import dead_letters, onboarding, tenancy, usage
+from relay.services import dead_letters, link_leases, onboarding, tenancy, usage
 from relay.services.provisioning import validate_unifiedpush_url
 from relay.services.queue import QueueUnavailable
 from relay.services.test_push import send_test_push
@@ -735,7 +735,7 @@ class ComponentAdmin(TenantScopedAdmin):
     )
     list_filter = ("enabled", "link__state", "tenant", "app")
     search_fields = ("jid", "host")
-    list_select_related = ("tenant", "app", "link")
+    list_select_related = ("tenant", "app", "link", "lease")
     readonly_fields = ("link_status", "configuration")
     actions = ("enable", "disable", "regenerate_secret")
     # Where the gateway connects, and under which JID, is the operator's to decide: a tenant
@@ -748,6 +748,13 @@ class ComponentAdmin(TenantScopedAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Component | None = None) -> bool:
         return _is_operator(request) and super().has_delete_permission(request, obj)
+
+    def get_list_display(self, request: HttpRequest) -> Any:
+        # Which gateway (host) holds a link is the operator's business, not a tenant's.
+        shown = super().get_list_display(request)
+        if _is_operator(request):
+            shown = (*shown[:5], "link_gateway", *shown[5:])
+        return shown
 
     def get_fieldsets(self, request: HttpRequest, obj: Component | None = None) -> list[Any]:
         fieldsets: list[Any] = [
@@ -800,6 +807,10 @@ class ComponentAdmin(TenantScopedAdmin):
         link = getattr(obj, "link", None)
         return link.since if link is not None else None
 
+    @admin.display(description="gateway", ordering="lease__holder")
+    def link_gateway(self, obj: Component) -> str:
+        return link_leases.holder_of(getattr(obj, "lease", None)) or "-"
+
     @admin.display(description="last error")
     def link_error(self, obj: Component) -> str:
         link = getattr(obj, "link", None)
@@ -818,6 +829,8 @@ class ComponentAdmin(TenantScopedAdmin):
                 "badge": link_badge(_link_state(obj)),
                 "link": getattr(obj, "link", None),
                 "pushes_last_hour": getattr(obj, "pushes", 0),
+                "show_gateway": getattr(obj, "_show_secret", False),  # the operator's
+                "gateway": link_leases.current_holder(obj.pk),
             },
         )
 

@@ -16,7 +16,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, URLResolver, path, reverse
 
 from relay.admin_charts import daily_chart
-from relay.services import login_throttle, tenancy, usage
+from relay.services import link_leases, login_throttle, tenancy, usage
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class RelayAdminSite(admin.AdminSite):
             "operator": operator,
             # The shared queue is the operator's business, not one tenant's.
             "queue_depth": usage.queue_depth() if operator else None,
+            # Which hosts run gateways is the operator's business too.
+            "gateways": link_leases.live_gateways() if operator else None,
         }
         return TemplateResponse(request, "admin/relay/health.html", context)
 

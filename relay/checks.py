@@ -136,6 +136,19 @@ def gateway_limits_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
         )
     if int(relay["LINK_MAX_IN_FLIGHT"]) < 1:
         messages.append(Error("RELAY_LINK_MAX_IN_FLIGHT must be at least 1.", id="relay.E103"))
+    from relay.services.link_leases import DROP_MARGIN_SECONDS
+
+    lease, renew = float(relay["GATEWAY_LEASE_SECONDS"]), float(relay["GATEWAY_RENEW_SECONDS"])
+    if renew <= 0 or renew * 2 + DROP_MARGIN_SECONDS >= lease:
+        # The holder drops a link DROP_MARGIN before its lease can expire: it must be able to
+        # miss one renewal without dropping every link.
+        messages.append(
+            Error(
+                f"RELAY_GATEWAY_RENEW_SECONDS ({renew}) must be above 0 and twice it plus "
+                f"{DROP_MARGIN_SECONDS} below RELAY_GATEWAY_LEASE_SECONDS ({lease}).",
+                id="relay.E104",
+            )
+        )
     return messages
 
 

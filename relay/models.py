@@ -194,6 +194,35 @@ class ComponentLink(models.Model):
         return f"{self.component.jid}: {self.state}"
 
 
+class GatewayInstance(models.Model):
+    """A running gateway process (`manage.py run_gateway`), live while `expires` is ahead.
+
+    Its heartbeat, renewed with its leases, tells the others how many share the links."""
+
+    name = models.CharField(max_length=100, primary_key=True)
+    started = models.DateTimeField()
+    expires = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class LinkLease(models.Model):
+    """Which gateway may hold a component's link, until `expires` (database clock).
+
+    Written by relay.services.link_leases only; `holder` is empty when released."""
+
+    component = models.OneToOneField(
+        Component, on_delete=models.CASCADE, primary_key=True, related_name="lease"
+    )
+    holder = models.CharField(max_length=100, blank=True, default="")
+    expires = models.DateTimeField()
+    acquired = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.component_id}: {self.holder or '-'}"
+
+
 class Registration(models.Model):
     """One device (and optionally one room) of one account, reachable through one provider."""
 

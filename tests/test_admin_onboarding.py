@@ -31,7 +31,7 @@ from relay.models import (
     Service,
     Tenant,
 )
-from relay.services import usage
+from relay.services import link_leases, usage
 from relay.services.registrations import register_device
 from tests.fakes.fcm import make_service_account
 from tests.support.admin import (
@@ -492,3 +492,29 @@ def test_production_settings_pass_the_deploy_check(tmp_path):
     )
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert shown.stdout.splitlines()[-1].split() == ["True"] * 6, shown.stdout + shown.stderr
+
+
+def test_the_operator_sees_the_gateways_and_which_holds_a_link_and_a_tenant_does_not(client):
+    tenant, _app, component = onboard(client)
+    changelist = reverse("admin:relay_component_changelist")
+    change = reverse("admin:relay_component_change", args=[component.pk])
+    assert "none (no gateway holds its lease)" in client.get(change).content.decode()
+    link_leases.lease_round(gateway="gw-east/4242/abc123", ttl=30)
+    health = reverse("admin:health")
+    for url in (changelist, change, health):
+        assert "gw-east/4242/abc123" in client.get(url).content.decode()
+    assert re.search(r'id="gateways-live"><strong>1<', client.get(health).content.decode())
+    world = build_tenant("staffed-gw")
+    staff = make_tenant_staff(world, "staffer-gw", every_permission=False)
+    world.binding.tenant = tenant
+    world.binding.save()
+    staff_client = Client()
+    staff_client.force_login(staff)
+    for url in (changelist, change, health):
+        page = staff_client.get(url)
+        assert page.status_code == 200
+        assert "gw-east" not in page.content.decode()
+        assert 'id="gateways' not in page.content.decode()
+    link_leases.leave(gateway="gw-east/4242/abc123")
+    assert "gw-east" not in client.get(changelist).content.decode()
+    assert "No gateway is running" in client.get(health).content.decode()

@@ -6,13 +6,15 @@ of the embedded-defaults run, where the database and the broker are files.
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
 import pytest
 from django.conf import settings
 from django.db import connection, transaction
 
-from relay.models import Service
+from relay.models import LinkLease, Service
 from relay.services.registrations import register_device
 from tests.support import broker
 from tests.support.component_server import FakeXmppServer, error_of
@@ -113,3 +115,43 @@ def test_a_link_holds_at_most_its_cap_of_requests_and_answers_bad_input_meanwhil
         assert gateway.stop() == 0
         server.close()
         broker.purge()
+
+
+def test_a_gateway_cut_off_from_the_database_drops_its_link_before_its_lease_expires(
+    transactional_db,
+):
+    """Another gateway may take the link once the lease expired in the database's clock: the
+    holder, unable to renew, must have closed it by then (README "Scaling out")."""
+    db = settings.DATABASES["default"]
+    proxy = TcpProxy(db.get("HOST") or "127.0.0.1", int(db.get("PORT") or 5432))
+    server = FakeXmppServer(COMPONENT, SECRET)
+    component = make_component(server.port)
+    gateway = start_gateway(
+        DATABASE_URL=_proxied_database_url(proxy),
+        RELAY_GATEWAY_LEASE_SECONDS="5",
+        RELAY_GATEWAY_RENEW_SECONDS="1",
+    )
+    try:
+        server.wait_connected()
+        wait_until(
+            lambda: LinkLease.objects.filter(component=component).exclude(holder="").exists()
+        )
+        proxy.cut()
+        cut_at = datetime.now(UTC)
+        wait_until(lambda: server.closed_connections >= 1, timeout=15, interval=0.02)
+        dropped_at = datetime.now(UTC)
+        lease = LinkLease.objects.get(component=component)  # read past the proxy
+        print(
+            f"\nlink dropped {(dropped_at - cut_at).total_seconds():.1f}s after the cut,"
+            f" {(lease.expires - dropped_at).total_seconds():.1f}s before its lease expired"
+        )
+        assert dropped_at < lease.expires
+        time.sleep(1.0)
+        assert server.connections == 1  # no new link without a lease
+        proxy.restore()
+        server.wait_connected(count=2, timeout=20)  # the lease is taken again, the link back
+    finally:
+        assert gateway.stop() == 0
+        server.close()
+        proxy.close()
+    assert "link.lease_lost" in gateway.log_text()

@@ -6,6 +6,12 @@ secret beyond one event, so each link runs under a supervisor loop here. A link 
 caused by bad input is not a reason to wait. The delay grows only while connecting fails
 (refused, wrong secret). The set of links follows the database: added, changed, disabled and
 deleted components are picked up by polling, without a restart.
+
+Several gateways may run: each link is held by the one holding its lease
+(relay.services.link_leases). Each poll is also a lease round (renew, heartbeat, take free
+leases up to a fair share); a watchdog drops any link whose lease this gateway could no
+longer be sure of, before another gateway can take it. On SIGTERM the links close and the
+leases are released at once, so the others take over at their next round.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import functools
 import logging
 import random
 import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,7 +33,7 @@ from django.db import close_old_connections
 
 from relay.models import Component, LinkState
 from relay.probes import ProbeServer
-from relay.services import health, links, publishing
+from relay.services import health, link_leases, links, publishing
 from relay.services.publishing import Publish, Verdict
 from relay.services.queue import QueueUnavailable
 from xmppgateway.component import PushComponent
@@ -36,6 +43,12 @@ from xmppgateway.unifiedpush import UnifiedPushRelay
 
 log = logging.getLogger(__name__)
 
+# A link given up to another gateway waits this long for its requests in flight.
+SHED_GRACE_SECONDS = 2.0
+# Closing a link after that grace takes at most this long (xmpp.disconnect below).
+CLOSE_SECONDS = 2.5
+# How often the watchdog compares the held links with their lease deadlines (seconds).
+WATCHDOG_SECONDS = 0.2
 # Publishes gathered into one check-and-queue call: a few milliseconds, or this many.
 PUBLISH_BATCH_SECONDS = 0.002
 PUBLISH_BATCH_MAX = 100
@@ -76,6 +89,17 @@ class Link:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.gateway.report(self.component, LinkState.DOWN, "")
+
+    def drop(self) -> None:
+        """Cut the link now, no goodbye: its lease may run out before a graceful close ends.
+        UnifiedPush stops sending over it at once; `stop()` still has to be awaited."""
+        self._stopping = True
+        self.gateway.unifiedpush.link_down(self.component.pk)
+        xmpp = self.xmpp
+        if xmpp is not None:
+            xmpp.cancel_connection_attempt()
+            if xmpp.transport is not None:
+                xmpp.abort()
 
     async def _run(self) -> None:
         minimum = settings.RELAY["RECONNECT_MIN_SECONDS"]
@@ -227,10 +251,22 @@ class PublishBatcher:
 
 class Gateway:
     def __init__(self, *, poll_seconds: float | None = None) -> None:
-        self.poll_seconds = poll_seconds or settings.RELAY["COMPONENT_POLL_SECONDS"]
-        self.executor = ThreadPoolExecutor(
-            max_workers=settings.RELAY["GATEWAY_THREADS"], thread_name_prefix="gateway-db"
+        relay = settings.RELAY
+        self.lease_seconds = float(relay["GATEWAY_LEASE_SECONDS"])
+        # Every poll renews the leases, so it comes at least every RENEW seconds.
+        self.poll_seconds = min(
+            poll_seconds or relay["COMPONENT_POLL_SECONDS"], relay["GATEWAY_RENEW_SECONDS"]
         )
+        self.name = link_leases.gateway_name(relay["GATEWAY_NAME"])
+        self.executor = ThreadPoolExecutor(
+            max_workers=relay["GATEWAY_THREADS"], thread_name_prefix="gateway-db"
+        )
+        # Its own thread: renewals must not queue behind slow publishes.
+        self.lease_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-lease")
+        # Per held link: the monotonic time by which it must be down unless renewed again.
+        self.deadlines: dict[int, float] = {}
+        self.stopping: dict[int, asyncio.Task[None]] = {}
+        self._held: tuple[int, int, int] = (0, 0, 0)
         self.publishes = PublishBatcher(
             self.run_blocking,
             window=float(settings.RELAY.get("PUBLISH_BATCH_SECONDS", PUBLISH_BATCH_SECONDS)),
@@ -248,12 +284,22 @@ class Gateway:
             self.executor, functools.partial(_guarded_call, fn, *args, **kwargs)
         )
 
+    async def run_lease_call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.lease_executor, functools.partial(_guarded_call, fn, **kwargs)
+        )
+
     async def report(self, component: Component, state: LinkState, error: str) -> None:
         links.note_link_state(component=component, state=state)
         # The link state is advisory; the database may be the very thing that is down.
         with contextlib.suppress(Unavailable):
             await self.run_blocking(
-                links.record_link_state, component_id=component.pk, state=state, error=error
+                links.record_link_state,
+                component_id=component.pk,
+                state=state,
+                error=error,
+                gateway=self.name,
             )
 
     def link_states(self) -> dict[int, bool]:
@@ -264,21 +310,46 @@ class Gateway:
         return {pk: link.up.is_set() for pk, link in list(self.links.items())}
 
     async def sync_links(self) -> None:
+        """One lease round, then the links follow the leases held (and the components)."""
+        started = time.monotonic()
         try:
-            components = await self.run_blocking(links.enabled_components)
+            result: link_leases.LeaseRound = await self.run_lease_call(
+                link_leases.lease_round, gateway=self.name, ttl=self.lease_seconds
+            )
         except Unavailable:
-            log.warning("gateway.components_unavailable")
+            log.warning("gateway.lease_round_failed")
+            return  # the watchdog drops the links whose leases may run out meanwhile
+        deadline = started + self.lease_seconds - link_leases.DROP_MARGIN_SECONDS
+        if time.monotonic() >= deadline:
+            log.warning("gateway.lease_round_too_slow")
             return
         self.synced = True
-        wanted = {component.pk: component for component in components}
+        shed = set(result.shed)
+        wanted = {c.pk: c for c in result.held if c.pk not in shed}
+        previous, self.deadlines = self.deadlines, {pk: deadline for pk in wanted}
+        # A link to close whose lease still lasts a graceful close (a disabled component) is
+        # closed gracefully; one whose lease may run out sooner (lost) is cut now.
+        closing_by = time.monotonic() + SHED_GRACE_SECONDS + CLOSE_SECONDS
+        held = (len(wanted), result.live_gateways, result.share)
+        if held != self._held:
+            self._held = held
+            log.info(
+                "gateway.leases",
+                extra={"links": held[0], "gateways": held[1], "share": held[2]},
+            )
         for pk in list(self.links):
             link = self.links[pk]
             if pk not in wanted or _link_key(wanted[pk]) != link.key:
                 del self.links[pk]
+                if pk not in wanted and pk not in shed and previous.get(pk, 0.0) < closing_by:
+                    link.drop()
                 log.info("gateway.link_removed", extra={"component_id": pk})
-                await link.stop()
-                links.forget_link(component=link.component)
+                self._stop_later(link, release=pk in shed)
+        for pk in shed - set(self.stopping):
+            self._stop_later(None, release=True, component_id=pk)
         for pk, component in wanted.items():
+            if pk in self.stopping:
+                continue  # the old link is still closing; the next round starts it
             if pk not in self.links:
                 log.info("gateway.link_added", extra={"component_id": pk})
                 link = Link(self, component)
@@ -286,6 +357,43 @@ class Gateway:
                 link.start()
             else:
                 self.links[pk].component = component
+
+    def _stop_later(
+        self, link: Link | None, *, release: bool, component_id: int | None = None
+    ) -> None:
+        """Close a link without holding up the lease round; a lease given up (over our fair
+        share) is released only once its link is down."""
+        pk = link.component.pk if link is not None else component_id
+        assert pk is not None
+
+        async def stop() -> None:
+            try:
+                if link is not None:
+                    await link.stop(grace=SHED_GRACE_SECONDS)
+                    links.forget_link(component=link.component)
+                if release:
+                    with contextlib.suppress(Unavailable):
+                        await self.run_lease_call(
+                            link_leases.release, gateway=self.name, component_ids=[pk]
+                        )
+            finally:
+                self.stopping.pop(pk, None)
+
+        self.stopping[pk] = asyncio.create_task(stop(), name=f"stop-link-{pk}")
+
+    async def watchdog(self) -> None:
+        """Drop every link whose deadline passed: its lease was not renewed in time (the
+        database or this process was too slow), and another gateway may take it soon."""
+        while not self.stopped.is_set():
+            now = time.monotonic()
+            for pk in [pk for pk in self.links if self.deadlines.get(pk, 0.0) <= now]:
+                link = self.links.pop(pk)
+                link.drop()
+                self.deadlines.pop(pk, None)
+                log.warning("link.lease_lost", extra={"component_id": pk})
+                self._stop_later(link, release=False)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopped.wait(), timeout=WATCHDOG_SECONDS)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -298,23 +406,39 @@ class Gateway:
             lambda: health.gateway_readiness(self.link_states()),
         )
         probes.start()
-        log.info("gateway.started")
+        log.info("gateway.started", extra={"gateway": self.name})
         unifiedpush = asyncio.create_task(self.unifiedpush.run(self.stopped), name="unifiedpush")
+        watchdog = asyncio.create_task(self.watchdog(), name="lease-watchdog")
         while not self.stopped.is_set():
             await self.sync_links()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopped.wait(), timeout=self.poll_seconds)
-        await unifiedpush  # its last writes need the executor that shutdown() closes
-        await self.shutdown()
+        await watchdog
+        await self.shutdown(unifiedpush)
         probes.stop()
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, unifiedpush: asyncio.Task[None] | None = None) -> None:
         log.info("gateway.stopping", extra={"links": len(self.links)})
+        # No more renewals: every link must be closed before its lease could run out.
+        now = time.monotonic()
+        first_deadline = min((self.deadlines.get(pk, now) for pk in self.links), default=now)
+        grace = max(0.0, min(5.0, first_deadline - now - CLOSE_SECONDS))
         links_to_stop = list(self.links.values())
         self.links.clear()
-        await asyncio.gather(*(link.stop() for link in links_to_stop), return_exceptions=True)
+        await asyncio.gather(
+            *(link.stop(grace=grace) for link in links_to_stop),
+            *self.stopping.values(),
+            *([unifiedpush] if unifiedpush is not None else []),  # its last writes need
+            return_exceptions=True,  # the executor closed below
+        )
+        # Links closed: their leases go at once, the other gateways take them next round.
+        try:
+            released = await self.run_lease_call(link_leases.leave, gateway=self.name)
+        except Unavailable:
+            released = None  # they expire within GATEWAY_LEASE_SECONDS
         self.executor.shutdown(wait=True, cancel_futures=True)
-        log.info("gateway.stopped")
+        self.lease_executor.shutdown(wait=True, cancel_futures=True)
+        log.info("gateway.stopped", extra={"leases_released": released})
 
 
 def _guarded_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -15,6 +15,12 @@ phone's answer (caught before slixmpp builds a stanza, see `PushComponent`) deci
   it goes out, oldest first. A late `result` to a timed-out push still counts as delivered.
 
 State here is only a cache: after a restart the sweep finds every stored message again.
+
+With several gateways, each sends only over the links it holds (`links`, filled when a link's
+session starts and emptied when it ends or its lease is lost): NOTIFY reaches every gateway,
+but only the lease holder of a message's component has it in `links`, and the sweep asks
+only for those components. A push in flight when a link moves is sent again by the new
+holder (at least once, as after a restart).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""What the gateway reports about its component links, for the admin and health pages."""
+"""What the gateway reports about its component links, for the admin and health pages.
+
+Which links a gateway holds is relay.services.link_leases' business."""
 
 from __future__ import annotations
 
@@ -6,13 +8,16 @@ from django.utils import timezone
 
 from relay import metrics
 from relay.models import Component, ComponentLink, LinkState
+from relay.services import link_leases
 
 
-def enabled_components() -> list[Component]:
-    return list(Component.objects.filter(enabled=True).select_related("app"))
-
-
-def record_link_state(*, component_id: int, state: LinkState, error: str = "") -> None:
+def record_link_state(
+    *, component_id: int, state: LinkState, error: str = "", gateway: str = ""
+) -> None:
+    """`gateway`: the reporting gateway; a report from one that no longer holds the link's
+    lease (it lost it, another took over) would overwrite the holder's, so it is dropped."""
+    if gateway and not link_leases.holds(gateway=gateway, component_id=component_id):
+        return
     now = timezone.now()
     link, _ = ComponentLink.objects.get_or_create(component_id=component_id)
     if link.state != state:
