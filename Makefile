@@ -48,8 +48,12 @@ run: $(STAMP) migrate
 	$(BIN)/python manage.py collectstatic --noinput -v0
 	$(BIN)/honcho start -f Procfile
 
+# The product packages whose imports deptry checks against pyproject.toml.
+PRODUCT := relay xmppgateway pushsite analytics
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/deptry $(PRODUCT)
 
 # Both suites always run; the target fails at the end if either failed, so one failure never
 # hides the other.
