@@ -54,6 +54,7 @@ PRODUCT := relay xmppgateway pushsite analytics
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/deptry $(PRODUCT)
+	$(BIN)/lint-imports --no-cache
 
 # Both suites always run; the target fails at the end if either failed, so one failure never
 # hides the other.

@@ -340,7 +340,7 @@ RELAY = {
     # HTTP timeout towards the push providers (seconds): a provider that accepts connections
     # and never answers holds a worker thread this long (docs/faults.md).
     "PROVIDER_TIMEOUT_SECONDS": env_float("RELAY_PROVIDER_TIMEOUT_SECONDS", 5.0),
-    # Delivery engine (relay/services/delivery.py, throttling.py, providers/limits.py).
+    # Delivery engine (relay/services/delivery.py, throttling.py, services/provider_limits.py).
     # A quota error (FCM QUOTA_EXCEEDED, HTTP 429) without Retry-After waits at least this.
     "SEND_QUOTA_MIN_SECONDS": env_float("RELAY_SEND_QUOTA_MIN_SECONDS", 60.0),
     # At most one send per registration per window; later publishes fold into one delayed
@@ -350,7 +350,7 @@ RELAY = {
     "TENANT_RATE_PER_SECOND": env_float("RELAY_TENANT_RATE_PER_SECOND", 500.0),
     "TENANT_RATE_BURST": env_int("RELAY_TENANT_RATE_BURST", 5000),
     # Sends in flight per app's provider in one worker process; excess waits, then retries
-    # later (relay/providers/limits.py).
+    # later (relay/services/provider_limits.py).
     "MAX_IN_FLIGHT_PER_PROVIDER": env_int("RELAY_MAX_IN_FLIGHT_PER_PROVIDER", 100),
     # A send a worker already holds waits this long for one of its app's slots before it goes
     # back to the broker as retry-later: bouncing at once delayed a tenth of the pushes under
@@ -390,6 +390,7 @@ RELAY = {
     or "https://login.live.com/accesstoken.srf",
 }
 
+
 def env_rate(name: str, default: str) -> tuple[int, float]:
     """A rate limit written "count/seconds" (e.g. "60/60"); a count of 0 turns it off."""
     count, _, seconds = (os.environ.get(name) or default).partition("/")
@@ -399,6 +400,7 @@ def env_rate(name: str, default: str) -> tuple[int, float]:
 # --- Reports (analytics/, docs/reports.md): delivery records, registration events and publish
 # tallies older than this many days are pruned by `manage.py prune_records` (beat task below).
 RELAY["RETENTION_DAYS"] = env_int("RELAY_RETENTION_DAYS", 90)
+
 
 def env_rate_burst(name: str, default: str) -> tuple[float, float]:
     """A token bucket written "rate/burst" (e.g. "10/100"); a rate of 0 turns it off."""
@@ -430,9 +432,7 @@ RELAY.update(
 # registering again (a new token) is never refused.
 RELAY.update(
     {
-        "REGISTRATION_RATE_PER_DOMAIN": env_rate(
-            "RELAY_REGISTRATION_RATE_PER_DOMAIN", "1000/3600"
-        ),
+        "REGISTRATION_RATE_PER_DOMAIN": env_rate("RELAY_REGISTRATION_RATE_PER_DOMAIN", "1000/3600"),
         "REGISTRATION_RATE_PER_TENANT": env_rate(
             "RELAY_REGISTRATION_RATE_PER_TENANT", "10000/3600"
         ),

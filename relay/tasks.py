@@ -29,10 +29,11 @@ from celery import Task, shared_task
 from celery.exceptions import Reject
 from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 
-from relay.models import Outcome
-from relay.providers import limits, registry
+from relay.providers.base import Outcome
 from relay.services import delivery
-from relay.services.queue import SendJob
+from relay.services import provider_limits as limits
+from relay.services import provider_registry as registry
+from relay.services.queue import SEND_PUSH, SEND_PUSHES, SendJob
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,12 @@ SEND_TASK_OPTIONS: dict[str, Any] = {
 }
 
 
-@shared_task(name="relay.send_push", **SEND_TASK_OPTIONS)
+@shared_task(name=SEND_PUSH, **SEND_TASK_OPTIONS)
 def send_push(self: Task, message: dict[str, Any]) -> str:
     return _deliver(self, [message])[0].value
 
 
-@shared_task(name="relay.send_pushes", **SEND_TASK_OPTIONS)
+@shared_task(name=SEND_PUSHES, **SEND_TASK_OPTIONS)
 def send_pushes(self: Task, messages: list[dict[str, Any]]) -> int:
     """A batch the gateway queued as one message: acknowledged once every job in it is done
     (sent, retried individually, or dead-lettered), so a killed worker redelivers all of it."""

@@ -22,10 +22,10 @@ from django.utils import timezone
 
 from relay import checks, crypto
 from relay.forms import AppForm
-from relay.models import App, Outcome, Tenant
-from relay.providers import registry
-from relay.providers.base import Wakeup
+from relay.models import App, Tenant
+from relay.providers.base import Outcome, Wakeup
 from relay.services import credentials
+from relay.services import provider_registry as registry
 from tests.fakes.apns import (
     FakeApns,
     make_client_certificate,

@@ -46,8 +46,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from h2.exceptions import NoAvailableStreamIDError
 
-from relay.models import Outcome
-from relay.providers.base import SendResult, Wakeup
+from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
 from relay.providers.payloads import ApnsPayload
 
 log = logging.getLogger(__name__)
@@ -410,13 +409,11 @@ class ApnsProvider:
         time_to_live: int | None = None,
         payload: ApnsPayload | None = None,
     ) -> None:
-        """`timeout` defaults to RELAY["PROVIDER_TIMEOUT_SECONDS"]; `time_to_live` (seconds)
+        """`timeout` defaults to DEFAULT_TIMEOUT_SECONDS; `time_to_live` (seconds)
         sets apns-expiration so Apple drops a wake-up that could not reach the phone in time."""
         config.validate()
         if timeout is None:
-            from django.conf import settings
-
-            timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
+            timeout = DEFAULT_TIMEOUT_SECONDS
         self.config = config
         self.payload = payload or DEFAULT_PAYLOAD
         self.timeout = timeout

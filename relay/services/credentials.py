@@ -75,7 +75,7 @@ def credential_fingerprint(value: str | None) -> str:
     return f"set · sha256 {digest[:12]}…"
 
 
-# --- provider configs (used by relay.providers.registry) ---------------------------------------
+# --- provider configs (used by relay.services.provider_registry) ----------------------------
 
 
 def fcm_config(*, app: App) -> FcmConfig:

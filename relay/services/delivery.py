@@ -49,10 +49,11 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from django.db.models import Q
 from django.utils import timezone
 
-from relay.models import App, DeadLetter, Delivery, Outcome, Priority, Registration
-from relay.providers import limits, registry
-from relay.providers.base import SendResult, Wakeup
+from relay.models import App, DeadLetter, Delivery, Priority, Registration
+from relay.providers.base import Outcome, SendResult, Wakeup
 from relay.services import lifecycle, queue, throttling
+from relay.services import provider_limits as limits
+from relay.services import provider_registry as registry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,7 +104,7 @@ def _wakeup(registration: Registration, job: queue.SendJob) -> Wakeup:
 
 def _send_group(group: list[tuple[Registration, queue.SendJob]]) -> list[SendResult]:
     """Send wake-ups that share an app and a service through one provider, within the app's
-    bulkhead and breaker (relay/providers/limits.py)."""
+    bulkhead and breaker (relay/services/provider_limits.py)."""
     registration = group[0][0]
     try:
         provider = registry.provider_for(registration.app, registration.service)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from celery import current_app as celery_app
 from django.db import connection
-
-from pushsite.celery import app as celery_app
 
 
 def database_reachable() -> bool:

@@ -11,11 +11,13 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 
+from celery import current_app as celery_app
 from django.db.models import Count, Q, QuerySet
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from relay.models import Component, DeadLetter, Delivery, LinkState, Outcome, Service
+from relay.models import Component, DeadLetter, Delivery, LinkState, Service
+from relay.providers.base import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -269,8 +271,6 @@ def queue_depth() -> int | None:
 
     None when the broker cannot be asked; the health page then says so.
     """
-    from pushsite.celery import app as celery_app
-
     try:
         with celery_app.connection_for_read() as connection:
             connection.ensure_connection(max_retries=1, timeout=2)

@@ -40,8 +40,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from relay.models import Outcome
-from relay.providers.base import PushProvider, SendResult, Wakeup, send_each
+from relay.providers.base import Outcome, PushProvider, SendResult, Wakeup, send_each
 
 log = logging.getLogger(__name__)
 
