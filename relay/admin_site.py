@@ -46,7 +46,8 @@ class RelayAdminSite(admin.AdminSite):
     site_url = None  # the service has no public site to go back to
 
     def get_urls(self) -> list[URLResolver | URLPattern]:
-        from relay import admin_reports  # registers the report pages and their models
+        # Imported here: it registers the report pages and their models.
+        from relay.admin import reports as admin_reports
 
         extra = [
             *admin_reports.urls(self),
