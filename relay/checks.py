@@ -32,11 +32,12 @@ def credential_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckM
                     id="relay.E002",
                 )
             ]
-    from relay.services import credentials
+    from relay.services.credentials import keys as credential_keys
+    from relay.services.credentials import selectors as credential_selectors
 
     try:
-        status = credentials.credential_key_status()
-        expiring = list(credentials.certificates_expiring()[:20])
+        status = credential_keys.credential_key_status()
+        expiring = list(credential_selectors.certificates_expiring()[:20])
     except DatabaseError:
         return []
     messages: list[CheckMessage] = []
@@ -61,7 +62,10 @@ def credential_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckM
         )
     for app in expiring:
         messages.append(
-            Warning(credentials.expiry_warning(app=app) or f"{app}: certificate", id="relay.W003")
+            Warning(
+                credential_selectors.expiry_warning(app=app) or f"{app}: certificate",
+                id="relay.W003",
+            )
         )
     return messages
 

@@ -15,7 +15,8 @@ from django.core.exceptions import ValidationError
 from django.core.files.uploadedfile import UploadedFile
 
 from relay.models import App
-from relay.services import credentials
+from relay.services.credentials.stored import credential_fingerprint
+from relay.services.credentials.validation import refresh_derived_fields, validate_credentials
 
 MAX_UPLOAD_BYTES = 64 * 1024
 
@@ -106,7 +107,7 @@ class AppForm(forms.ModelForm):
         if "wns_channel_hosts" in self.fields:
             self.fields["wns_channel_hosts"].help_text = WNS_CHANNEL_HOSTS_HELP
         for name in SECRET_FIELDS:
-            stored = credentials.credential_fingerprint(getattr(self.instance, name))
+            stored = credential_fingerprint(getattr(self.instance, name))
             base = App._meta.get_field(name).help_text
             note = f"Stored: {stored}. Leave empty to keep it."
             self.fields[name].help_text = f"{base} {note}" if base else note
@@ -160,7 +161,7 @@ class AppForm(forms.ModelForm):
             if field.name.startswith(PROVIDER_PREFIXES)
         }
         try:
-            credentials.validate_credentials(values=values)
+            validate_credentials(values=values)
         except ValidationError as error:
             for field, messages in error.message_dict.items():
                 if field in self.errors:
@@ -171,7 +172,7 @@ class AppForm(forms.ModelForm):
 
     def save(self, commit: bool = True) -> App:
         app = super().save(commit=False)
-        credentials.refresh_derived_fields(app=app)
+        refresh_derived_fields(app=app)
         if commit:
             app.save()
             self._save_m2m()

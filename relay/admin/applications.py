@@ -28,7 +28,7 @@ from relay.models import (
     App,
     Registration,
 )
-from relay.services import credentials as credential_service
+from relay.services.credentials import selectors as credential_selectors
 
 
 # --------------------------------------------------------------------------- apps
@@ -72,13 +72,13 @@ class AppAdmin(TenantScopedAdmin):
     @admin.display(description="credentials")
     def credentials(self, obj: App) -> str:
         return format_html_join(
-            mark_safe("<br>"), "{}: {}", credential_service.credential_summary(app=obj)
+            mark_safe("<br>"), "{}: {}", credential_selectors.credential_summary(app=obj)
         )
 
     @admin.display(description="APNs certificate", ordering="apns_certificate_not_after")
     def certificate_expiry(self, obj: App) -> str:
         not_after = obj.apns_certificate_not_after
-        if not not_after or not credential_service.expiry_warning(app=obj):
+        if not not_after or not credential_selectors.expiry_warning(app=obj):
             return ""
         verb = "expired" if not_after <= timezone.now() else "expires"
         return f"⚠ {verb} {not_after:%Y-%m-%d}"
@@ -104,7 +104,7 @@ class AppAdmin(TenantScopedAdmin):
     ) -> HttpResponse:
         if request.method == "GET":
             app = self.get_object(request, unquote(object_id))
-            warning = credential_service.expiry_warning(app=app) if app is not None else ""
+            warning = credential_selectors.expiry_warning(app=app) if app is not None else ""
             if warning:
                 messages.warning(request, warning)
         return super().change_view(request, object_id, form_url, extra_context)

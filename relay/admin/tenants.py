@@ -37,8 +37,8 @@ from relay.models import (
     Tenant,
     TenantStaffGroup,
 )
-from relay.services import credentials as credential_service
 from relay.services import tenancy
+from relay.services.credentials import selectors as credential_selectors
 
 
 # --------------------------------------------------------------------------- tenants
@@ -51,7 +51,7 @@ class AppInline(ScopedInline):
     @admin.display(description="credentials")
     def credentials(self, obj: App) -> str:
         return format_html_join(
-            mark_safe("<br>"), "{}: {}", credential_service.credential_summary(app=obj)
+            mark_safe("<br>"), "{}: {}", credential_selectors.credential_summary(app=obj)
         )
 
 

@@ -18,8 +18,8 @@ from relay.crypto import CredentialKeyError
 from relay.models import App, Service
 from relay.providers import payloads
 from relay.providers.base import PushProvider
-from relay.services import credentials
-from relay.services.credentials import CredentialsMissing
+from relay.services.credentials import configs
+from relay.services.credentials.stored import CredentialsMissing
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,7 +74,7 @@ def _build_fcm(app: App) -> PushProvider:
     return _configured(
         app,
         "FCM",
-        lambda: FcmProvider(credentials.fcm_config(app=app), timeout=_timeout(), payload=payload),
+        lambda: FcmProvider(configs.fcm_config(app=app), timeout=_timeout(), payload=payload),
     )
 
 
@@ -85,7 +85,7 @@ def _build_apns(app: App) -> PushProvider:
     return _configured(
         app,
         "APNS",
-        lambda: ApnsProvider(credentials.apns_config(app=app), timeout=_timeout(), payload=payload),
+        lambda: ApnsProvider(configs.apns_config(app=app), timeout=_timeout(), payload=payload),
     )
 
 
@@ -96,7 +96,7 @@ def _build_wns(app: App) -> PushProvider:
     return _configured(
         app,
         "WNS",
-        lambda: WnsProvider(credentials.wns_config(app=app), timeout=_timeout(), payload=payload),
+        lambda: WnsProvider(configs.wns_config(app=app), timeout=_timeout(), payload=payload),
     )
 
 
