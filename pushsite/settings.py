@@ -340,7 +340,7 @@ RELAY = {
     # HTTP timeout towards the push providers (seconds): a provider that accepts connections
     # and never answers holds a worker thread this long (docs/faults.md).
     "PROVIDER_TIMEOUT_SECONDS": env_float("RELAY_PROVIDER_TIMEOUT_SECONDS", 5.0),
-    # Delivery engine (relay/services/delivery.py, throttling.py, services/provider_limits.py).
+    # Delivery engine (relay/services/delivery.py, throttling/, provider_limits.py).
     # A quota error (FCM QUOTA_EXCEEDED, HTTP 429) without Retry-After waits at least this.
     "SEND_QUOTA_MIN_SECONDS": env_float("RELAY_SEND_QUOTA_MIN_SECONDS", 60.0),
     # At most one send per registration per window; later publishes fold into one delayed

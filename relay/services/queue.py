@@ -34,7 +34,7 @@ class SendJob:
     pending_subscription_count: int | None = None
     queued: str = ""
     attempt: int = 1
-    # Burst coalescing (relay/services/throttling.py): a delayed send that carries the
+    # Burst coalescing (relay/services/throttling/): a delayed send that carries the
     # publishes folded into it; `folded` counts them once the worker has claimed them.
     coalesced: bool = False
     folded: int = 0
