@@ -10,14 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from cryptography.fernet import Fernet
-from django.conf import settings
-from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import DatabaseError
+
+from relay import conf
 
 
 @register("relay")
 def credential_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    keys = list(getattr(settings, "CREDENTIAL_KEYS", []) or [])
+    keys = list(conf.current().credential_keys)
     if not keys:
         return [Error("CREDENTIAL_KEYS is empty: credentials cannot be stored.", id="relay.E001")]
     for index, key in enumerate(keys):
@@ -106,7 +107,7 @@ def tenant_scope_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
 
 @register("relay")
 def login_settings_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    if settings.RELAY.get("LOGIN_MAX_FAILURES_PER_ADDRESS"):
+    if conf.current().login_max_failures_per_address:
         return [
             Warning(
                 "RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS is no longer used: logins are locked out "
@@ -123,22 +124,22 @@ def login_settings_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
 @register("relay")
 def gateway_limits_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Stanza limits a real publish would break: every such publish would end the link."""
-    relay = settings.RELAY
+    relay = conf.current()
     messages: list[CheckMessage] = []
-    smallest = int(relay["MAX_FIELD_LENGTH"]) * 2 + 4096  # a publish with a long field or two
-    if int(relay["MAX_STANZA_BYTES"]) < smallest:
+    smallest = relay.max_field_length * 2 + 4096  # a publish with a long field or two
+    if relay.max_stanza_bytes < smallest:
         messages.append(
             Error(
-                f"RELAY_MAX_STANZA_BYTES ({relay['MAX_STANZA_BYTES']}) is below {smallest}: a "
+                f"RELAY_MAX_STANZA_BYTES ({relay.max_stanza_bytes}) is below {smallest}: a "
                 "publish with form fields of RELAY_MAX_FIELD_LENGTH would end its link.",
                 id="relay.E101",
             )
         )
-    if int(relay["MAX_STANZA_DEPTH"]) < 10:
+    if relay.max_stanza_depth < 10:
         messages.append(
             Error("RELAY_MAX_STANZA_DEPTH is below 10: publishes nest 8 deep.", id="relay.E102")
         )
-    if int(relay["LINK_MAX_IN_FLIGHT"]) < 1:
+    if relay.link_max_in_flight < 1:
         messages.append(Error("RELAY_LINK_MAX_IN_FLIGHT must be at least 1.", id="relay.E103"))
     return messages
 
@@ -149,7 +150,7 @@ def unifiedpush_keys_check(app_configs: Any = None, **kwargs: Any) -> list[Check
     longer configured cannot be delivered (the key was dropped before they expired)."""
     from relay.services.unifiedpush import keys
 
-    entries = list(getattr(settings, "UNIFIEDPUSH_KEYS", []) or [])
+    entries = list(conf.current().unifiedpush_keys)
     if not entries:
         return [Error("UNIFIEDPUSH_KEYS is empty: no endpoint can be issued.", id="relay.E010")]
     for index, entry in enumerate(entries):
@@ -177,6 +178,54 @@ def unifiedpush_keys_check(app_configs: Any = None, **kwargs: Any) -> list[Check
                 "in UNIFIEDPUSH_KEYS; they cannot be delivered.",
                 hint="Put the old key back (after the new one) until they expire.",
                 id="relay.W030",
+            )
+        ]
+    return []
+
+
+@register("relay")
+def retry_window_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A delayed send (a retry, or a coalesced send) waits unacknowledged in a worker until it
+    is due; a broker visibility timeout shorter than that delay hands it to a second worker,
+    and the phone is woken twice."""
+    relay = conf.current()
+    visibility = relay.broker_visibility_timeout
+    longest = max(relay.send_retry_max_seconds, relay.coalesce_seconds)
+    if visibility is None or visibility > longest:
+        return []
+    return [
+        Error(
+            f"CELERY_VISIBILITY_TIMEOUT ({visibility:g} s) must exceed the longest retry delay "
+            f"({longest:g} s, RELAY_SEND_RETRY_MAX_SECONDS or RELAY_COALESCE_SECONDS).",
+            hint="Raise CELERY_VISIBILITY_TIMEOUT or lower RELAY_SEND_RETRY_MAX_SECONDS.",
+            id="relay.E104",
+        )
+    ]
+
+
+@register("relay", Tags.database)
+def state_store_check(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """The shared state store (coalescing windows, token buckets) answers. Tagged `database`:
+    it runs with `migrate` and `check --database default` (the deploy steps before the
+    processes start), not with every command; unreachable, the relay would fail open on every
+    publish (no coalescing, no tenant limits) with only a log line to show for it."""
+    if not databases:
+        return []
+    from relay.services import throttling
+
+    try:
+        throttling.check_store()
+    except ValueError as error:
+        return [Error(str(error), id="relay.E105")]
+    except throttling.StateUnavailable as error:
+        return [
+            Error(
+                f"The state store (RELAY_STATE_URL) does not answer: {error}.",
+                hint="Start it, or point RELAY_STATE_URL at one that runs (redis://... or "
+                "sqlite:///path).",
+                id="relay.E106",
             )
         ]
     return []

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from django.conf import settings
 from django.db import Error as DatabaseError
 from django.db import close_old_connections
 
+from relay import conf
 from relay.models import Component, LinkState
 from relay.services import links, publishing
 from relay.services.publishing import Publish, Verdict
@@ -34,10 +34,6 @@ from xmppgateway.stream import StreamLimits
 from xmppgateway.unifiedpush import UnifiedPushRelay
 
 log = logging.getLogger(__name__)
-
-# Publishes gathered into one check-and-queue call: a few milliseconds, or this many.
-PUBLISH_BATCH_SECONDS = 0.002
-PUBLISH_BATCH_MAX = 100
 
 
 def _link_key(component: Component) -> tuple[Any, ...]:
@@ -77,8 +73,8 @@ class Link:
         await self.gateway.report(self.component.pk, LinkState.DOWN, "")
 
     async def _run(self) -> None:
-        minimum = settings.RELAY["RECONNECT_MIN_SECONDS"]
-        maximum = settings.RELAY["RECONNECT_MAX_SECONDS"]
+        minimum = conf.current().reconnect_min_seconds
+        maximum = conf.current().reconnect_max_seconds
         delay = minimum
         while not self._stopping:
             reason, was_up = await self._connect_once()
@@ -110,12 +106,12 @@ class Link:
         xmpp = PushComponent(
             self.component,
             run_blocking=self.gateway.run_blocking,
-            max_field_length=settings.RELAY["MAX_FIELD_LENGTH"],
+            max_field_length=conf.current().max_field_length,
             limits=StreamLimits(
-                max_stanza_bytes=settings.RELAY["MAX_STANZA_BYTES"],
-                max_depth=settings.RELAY["MAX_STANZA_DEPTH"],
+                max_stanza_bytes=conf.current().max_stanza_bytes,
+                max_depth=conf.current().max_stanza_depth,
             ),
-            max_in_flight=settings.RELAY["LINK_MAX_IN_FLIGHT"],
+            max_in_flight=conf.current().link_max_in_flight,
             accept_publish=self.gateway.publishes.accept,
             iq_set_handlers=relay.iq_set_handlers(),
             on_iq_answer=lambda xml: relay.on_iq_answer(component_id, xml),
@@ -226,14 +222,14 @@ class PublishBatcher:
 
 class Gateway:
     def __init__(self, *, poll_seconds: float | None = None) -> None:
-        self.poll_seconds = poll_seconds or settings.RELAY["COMPONENT_POLL_SECONDS"]
+        self.poll_seconds = poll_seconds or conf.current().component_poll_seconds
         self.executor = ThreadPoolExecutor(
-            max_workers=settings.RELAY["GATEWAY_THREADS"], thread_name_prefix="gateway-db"
+            max_workers=conf.current().gateway_threads, thread_name_prefix="gateway-db"
         )
         self.publishes = PublishBatcher(
             self.run_blocking,
-            window=float(settings.RELAY.get("PUBLISH_BATCH_SECONDS", PUBLISH_BATCH_SECONDS)),
-            limit=int(settings.RELAY.get("PUBLISH_BATCH_MAX", PUBLISH_BATCH_MAX)),
+            window=conf.current().publish_batch_seconds,
+            limit=conf.current().publish_batch_max,
         )
         self.links: dict[int, Link] = {}
         self.stopped = asyncio.Event()

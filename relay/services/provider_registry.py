@@ -12,8 +12,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import TypeVar
 
-from django.conf import settings
-
+from relay import conf
 from relay.crypto import CredentialKeyError
 from relay.models import App, Service
 from relay.providers import payloads
@@ -64,7 +63,7 @@ def _payload(prefix: str, parse: Callable[[object], T], app: App) -> T:
 
 def _timeout() -> float:
     """Every provider's HTTP timeout (RELAY_PROVIDER_TIMEOUT_SECONDS)."""
-    return float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
+    return conf.current().provider_timeout_seconds
 
 
 def _build_fcm(app: App) -> PushProvider:

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db import models
 from django.db.models import Max, Min
 from django.utils import timezone
 
+from relay import conf
 from relay.models import Delivery
 from relay.report_models import PublishTally, RegistrationEvent
 
@@ -75,7 +75,7 @@ def prune(
 ) -> dict[str, int]:
     """Prune every report source older than `days` (default RELAY_RETENTION_DAYS; 0 or less
     keeps everything). Returns the rows deleted per table."""
-    days = settings.RELAY["RETENTION_DAYS"] if days is None else days
+    days = conf.current().retention_days if days is None else days
     if days <= 0:
         return {}
     cutoff = (now or timezone.now()) - timedelta(days=days)

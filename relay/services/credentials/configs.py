@@ -10,8 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from django.conf import settings
-
+from relay import conf
 from relay.models import App
 from relay.providers.apns import ApnsConfig
 from relay.providers.fcm import FcmConfig
@@ -40,7 +39,7 @@ def apns_ca_file(pem: str) -> str:
     if not pem.strip():
         return ""
     name = f"{hashlib.sha256(pem.encode()).hexdigest()}.pem"
-    for base in (Path(settings.VAR_DIR), Path(tempfile.gettempdir())):
+    for base in (conf.current().var_dir, Path(tempfile.gettempdir())):
         folder = base / "apns-ca"
         path = folder / name
         if path.exists():
@@ -85,11 +84,11 @@ def wns_channel_hosts(*, app: App) -> tuple[str, ...]:
     hosts = lines(app.wns_channel_hosts)
     if hosts:
         return hosts
-    return tuple(settings.RELAY.get("WNS_CHANNEL_HOSTS") or DEFAULT_CHANNEL_HOSTS)
+    return tuple(conf.current().wns_channel_hosts or DEFAULT_CHANNEL_HOSTS)
 
 
 def wns_token_url(*, app: App) -> str:
-    return app.wns_token_url or settings.RELAY.get("WNS_TOKEN_URL") or DEFAULT_TOKEN_URL
+    return app.wns_token_url or conf.current().wns_token_url or DEFAULT_TOKEN_URL
 
 
 def wns_config(*, app: App) -> WnsConfig:

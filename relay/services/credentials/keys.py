@@ -11,11 +11,10 @@ from typing import Any
 
 from cryptography.fernet import Fernet, InvalidToken
 from django.apps import apps as django_apps
-from django.conf import settings
 from django.db import models
 from django.db.models.functions import Cast
 
-from relay import crypto
+from relay import conf, crypto
 from relay.crypto import CredentialKeyError, EncryptedTextField
 
 log = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ class KeyStatus:
 
 def credential_key_status() -> KeyStatus:
     """Count stored values no key decrypts, and values not yet under the current key."""
-    primary = Fernet(settings.CREDENTIAL_KEYS[0].encode())
+    primary = Fernet(conf.current().credential_keys[0].encode())
     everyone = crypto.fernet()
     stored = unreadable = pending = 0
     for model, names in _encrypted_fields():

@@ -38,8 +38,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from django.conf import settings
-
+from relay import conf
 from relay.models import Registration, Tenant
 from relay.services.throttling.decisions import (
     Admission,
@@ -77,9 +76,9 @@ def tenant_limit(tenant: Tenant) -> Limit:
     rate = tenant.rate_limit_per_second
     burst = tenant.rate_limit_burst
     if rate is None:
-        rate = float(settings.RELAY["TENANT_RATE_PER_SECOND"])
+        rate = conf.current().tenant_rate_per_second
     if burst is None:
-        burst = int(settings.RELAY["TENANT_RATE_BURST"])
+        burst = conf.current().tenant_rate_burst
     return Limit(rate=float(rate), burst=max(1, int(burst)))
 
 
@@ -94,7 +93,7 @@ def window_key(registration: Registration) -> str:
 
 
 def coalesce_window() -> float:
-    return max(0.0, float(settings.RELAY["COALESCE_SECONDS"]))
+    return max(0.0, conf.current().coalesce_seconds)
 
 
 # --- what callers use --------------------------------------------------------------------------
@@ -214,7 +213,7 @@ _stores: dict[tuple[int, str], Store] = {}
 
 
 def _store() -> Store:
-    url = settings.RELAY["STATE_URL"]
+    url = conf.current().state_url
     key = (os.getpid(), url)
     store = _stores.get(key)
     if store is not None:
@@ -225,6 +224,13 @@ def _store() -> Store:
             store = _open(url)
             _stores[key] = store
         return store
+
+
+def check_store(url: str | None = None) -> None:
+    """Open the state store afresh and ask it one question: raises ValueError for a URL no
+    store understands, StateUnavailable when it does not answer (the deploy check, so a
+    wrong RELAY_STATE_URL shows at start, not as fail-open publishes)."""
+    _open(url or conf.current().state_url).ping()
 
 
 def _open(url: str) -> Store:
@@ -250,6 +256,7 @@ __all__ = [
     "abandon",
     "admit",
     "admit_many",
+    "check_store",
     "reset",
     "take",
     "take_tokens",

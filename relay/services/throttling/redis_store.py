@@ -245,6 +245,12 @@ class RedisStore:
         index = int(answer[0])
         return None if index < 0 else Refusal(index, max(0.0, float(answer[1])))
 
+    def ping(self) -> None:
+        try:
+            self._client.ping()
+        except self._errors as error:
+            raise StateUnavailable(type(error).__name__) from error
+
     def reset(self) -> None:
         try:
             keys = list(self._client.scan_iter(match=KEY_PREFIX + "*", count=1000))

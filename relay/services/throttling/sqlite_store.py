@@ -195,6 +195,10 @@ class SqliteStore:
                 )
             return refusal
 
+    def ping(self) -> None:
+        with self._transaction() as conn:
+            conn.execute("SELECT 1 FROM buckets LIMIT 1")
+
     def reset(self) -> None:
         with self._transaction() as conn:
             conn.execute("DELETE FROM buckets")
