@@ -55,6 +55,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/deptry $(PRODUCT)
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 # Both suites always run; the target fails at the end if either failed, so one failure never
 # hides the other.

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def locked_out(
     request: HttpRequest, original_response: HttpResponse | None = None, credentials: Any = None
-) -> TemplateResponse:
+) -> HttpResponse:
     """The page django-axes answers a locked-out login with (429), in the admin's look."""
     minutes = math.ceil(login_throttle.cool_off(request).total_seconds() / 60)
     log.warning("admin.login_locked_out")

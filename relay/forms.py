@@ -8,11 +8,12 @@ file can be uploaded instead of pasting. What makes a credential valid is decide
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from django import forms
 from django.core.exceptions import ValidationError
 from django.core.files.uploadedfile import UploadedFile
+from django.db import models
 
 from relay.models import App
 from relay.services.credentials.stored import credential_fingerprint
@@ -108,7 +109,7 @@ class AppForm(forms.ModelForm):
             self.fields["wns_channel_hosts"].help_text = WNS_CHANNEL_HOSTS_HELP
         for name in SECRET_FIELDS:
             stored = credential_fingerprint(getattr(self.instance, name))
-            base = App._meta.get_field(name).help_text
+            base = cast("models.Field[Any, Any]", App._meta.get_field(name)).help_text
             note = f"Stored: {stored}. Leave empty to keep it."
             self.fields[name].help_text = f"{base} {note}" if base else note
 
@@ -143,7 +144,7 @@ class AppForm(forms.ModelForm):
         return pasted or uploaded or (getattr(self.instance, name) or "")
 
     def clean(self) -> dict[str, Any]:
-        cleaned = super().clean()
+        cleaned = cast(dict[str, Any], super().clean())  # a ModelForm's is never None
         resolved = True
         for name in SECRET_FIELDS:
             try:
@@ -175,7 +176,7 @@ class AppForm(forms.ModelForm):
         refresh_derived_fields(app=app)
         if commit:
             app.save()
-            self._save_m2m()
+            self.save_m2m()  # set by save(commit=False): Django's _save_m2m
         return app
 
 

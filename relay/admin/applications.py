@@ -19,6 +19,7 @@ from django.utils.safestring import SafeString, mark_safe
 
 from relay.admin.base import (
     TenantScopedAdmin,
+    annotated_count,
     count_subquery,
     pushes_since,
     usage_panel,
@@ -85,11 +86,11 @@ class AppAdmin(TenantScopedAdmin):
 
     @admin.display(description="registrations", ordering="registration_count")
     def registrations(self, obj: App) -> int:
-        return obj.registration_count
+        return annotated_count(obj, "registration_count")
 
     @admin.display(description="pushes, last 24 h", ordering="day_count")
     def pushes_day(self, obj: App) -> int:
-        return obj.day_count
+        return annotated_count(obj, "day_count")
 
     @admin.display(description="pushes")
     def usage(self, obj: App) -> SafeString:

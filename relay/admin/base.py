@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
-from django import forms
 from django.contrib import admin
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import get_fields_from_path, unquote
 from django.db import models
 from django.db.models import Count, IntegerField, OuterRef, QuerySet, Subquery
+from django.db.models.fields.related import RelatedField
 from django.db.models.functions import Coalesce
+from django.forms import ModelChoiceField
 from django.http import (
     Http404,
     HttpRequest,
@@ -49,11 +50,12 @@ class ScopedRelatedFieldListFilter(admin.RelatedFieldListFilter):
     """A related-object filter whose choices are only the user's tenants' objects."""
 
     def field_choices(
-        self, field: models.Field, request: HttpRequest, model_admin: admin.ModelAdmin
-    ) -> list[tuple[Any, str]]:
+        self, field: RelatedField[Any, Any], request: HttpRequest, model_admin: admin.ModelAdmin
+    ) -> list[tuple[Any, Any]]:
         ordering = self.field_admin_ordering(field, request, model_admin)
         limit = tenancy.scope_q(field.related_model, user=request.user)
-        return field.get_choices(include_blank=False, ordering=ordering, limit_choices_to=limit)
+        choices = field.get_choices(include_blank=False, ordering=ordering, limit_choices_to=limit)
+        return cast(list[tuple[Any, Any]], choices)
 
 
 def is_operator_request(request: HttpRequest) -> bool:
@@ -87,8 +89,17 @@ def confirm(
 
 def change_message(model: type[models.Model], *fields: str) -> list[dict[str, Any]]:
     """A history entry naming the changed fields (as the forms label them), never values."""
-    names = [capfirst(model._meta.get_field(name).verbose_name) for name in fields]
+    names = [
+        capfirst(cast("models.Field[Any, Any]", model._meta.get_field(name)).verbose_name)
+        for name in fields
+    ]
     return [{"changed": {"fields": names}}]
+
+
+def annotated_count(obj: models.Model, name: str) -> int:
+    """A count the admin's queryset annotated on the row (the model does not declare it)."""
+    value: int = getattr(obj, name)
+    return value
 
 
 def link_badge(state: str) -> SafeString:
@@ -145,9 +156,9 @@ class ListLookupsOnly(admin.ModelAdmin):
             if isinstance(entry, str):
                 fields.add(entry)
             elif isinstance(entry, list | tuple):
-                fields.add(entry[0])
+                fields.add(cast(str, entry[0]))
             elif isinstance(entry, type) and issubclass(entry, admin.SimpleListFilter):
-                parameters.add(entry.parameter_name)
+                parameters.add(cast(str, entry.parameter_name))
         if self.date_hierarchy:
             fields.add(self.date_hierarchy)
         return fields, parameters
@@ -161,7 +172,8 @@ class ListLookupsOnly(admin.ModelAdmin):
                 continue
             rest = lookup[len(field_path) + 2 :].split("__")
             field = get_fields_from_path(self.model, field_path)[-1]
-            if field.is_relation and rest[0] in {"pk", "id", field.related_model._meta.pk.name}:
+            related = cast(type[models.Model], field.related_model)
+            if field.is_relation and rest[0] in {"pk", "id", related._meta.pk.name}:
                 rest = rest[1:]
             if not rest or (len(rest) == 1 and rest[0] in LIST_LOOKUP_TERMS):
                 return True
@@ -182,14 +194,15 @@ class TenantScopedAdmin(ListLookupsOnly):
         return tenancy.scope_queryset(super().get_queryset(request), user=request.user)
 
     def formfield_for_foreignkey(
-        self, db_field: models.ForeignKey, request: HttpRequest, **kwargs: Any
-    ) -> forms.Field | None:
+        self, db_field: models.ForeignKey[Any, Any], request: HttpRequest, **kwargs: Any
+    ) -> ModelChoiceField[Any] | None:
         formfield = super().formfield_for_foreignkey(db_field, request, **kwargs)
         if formfield is not None and hasattr(formfield, "queryset"):
-            formfield.queryset = tenancy.scope_queryset(formfield.queryset, user=request.user)
+            queryset = cast(QuerySet[Any], formfield.queryset)
+            formfield.queryset = tenancy.scope_queryset(queryset, user=request.user)
         return formfield
 
-    def get_list_filter(self, request: HttpRequest) -> Sequence[Any]:
+    def get_list_filter(self, request: HttpRequest) -> list[Any]:
         scoped: list[Any] = []
         for entry in super().get_list_filter(request):
             if isinstance(entry, str) and get_fields_from_path(self.model, entry)[-1].is_relation:
@@ -197,7 +210,7 @@ class TenantScopedAdmin(ListLookupsOnly):
             scoped.append(entry)
         return scoped
 
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Sequence[str]:
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         fields = list(super().get_readonly_fields(request, obj))
         if not is_operator_request(request):
             fields += [name for name in self.operator_only_fields if name not in fields]
@@ -224,7 +237,7 @@ class TenantScopedAdmin(ListLookupsOnly):
 
     def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
         """A tenant's staff of one tenant find it already chosen in new objects."""
-        initial = super().get_changeform_initial_data(request)
+        initial = cast(dict[str, Any], super().get_changeform_initial_data(request))
         scope = tenancy.tenant_ids_for(request.user)
         names = {field.name for field in self.model._meta.get_fields()}
         if "tenant" in names and "tenant" not in initial and scope is not None and len(scope) == 1:

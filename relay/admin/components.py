@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from django import forms
 from django.contrib import admin, messages
@@ -71,7 +71,7 @@ class ComponentForm(forms.ModelForm):
         return secret
 
     def clean(self) -> dict[str, Any]:
-        cleaned = super().clean()
+        cleaned = cast(dict[str, Any], super().clean())  # a ModelForm's is never None
         # The tenant is read-only (not in the form) for a tenant's own staff.
         tenant = cleaned.get("tenant")
         tenant_id = tenant.pk if tenant is not None else self.instance.tenant_id

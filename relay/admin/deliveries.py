@@ -12,7 +12,6 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import (
     HttpRequest,
-    HttpResponse,
     StreamingHttpResponse,
 )
 from django.urls import reverse
@@ -107,7 +106,9 @@ class DeliveryAdmin(TenantScopedAdmin):
         )
 
     @admin.action(description="Export the selected deliveries as CSV", permissions=["view"])
-    def export_csv(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> HttpResponse:
+    def export_csv(
+        self, request: HttpRequest, queryset: QuerySet[Delivery]
+    ) -> StreamingHttpResponse:
         header = (
             "push_id",
             "tenant",

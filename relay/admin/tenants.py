@@ -21,6 +21,7 @@ from django.utils.safestring import SafeString, mark_safe
 from relay.admin.base import (
     ScopedInline,
     TenantScopedAdmin,
+    annotated_count,
     change_message,
     component_link_state,
     confirm,
@@ -172,15 +173,15 @@ class TenantAdmin(TenantScopedAdmin):
 
     @admin.display(description="apps", ordering="app_count")
     def apps(self, obj: Tenant) -> int:
-        return obj.app_count
+        return annotated_count(obj, "app_count")
 
     @admin.display(description="links up")
     def links_up(self, obj: Tenant) -> str:
-        return f"{obj.up_count} / {obj.component_count}"
+        return f"{annotated_count(obj, 'up_count')} / {annotated_count(obj, 'component_count')}"
 
     @admin.display(description="pushes, last 24 h", ordering="day_count")
     def pushes_day(self, obj: Tenant) -> int:
-        return obj.day_count
+        return annotated_count(obj, "day_count")
 
     @admin.display(description="next steps")
     def onboarding(self, obj: Tenant) -> SafeString:

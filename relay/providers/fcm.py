@@ -440,8 +440,10 @@ class FcmProvider:
         response.headers = requests.structures.CaseInsensitiveDict(answer.headers)
         response._content = answer.data
         response.url = self.send_url
-        error = self._service._handle_fcm_error(requests.exceptions.HTTPError(response=response))
-        return self._not_delivered(wakeup, classify(error))
+        fcm_error = self._service._handle_fcm_error(
+            requests.exceptions.HTTPError(response=response)
+        )
+        return self._not_delivered(wakeup, classify(fcm_error))
 
     def _not_delivered(self, wakeup: Wakeup, result: SendResult) -> SendResult:
         log = logger.warning if result.outcome == Outcome.FAILED else logger.info

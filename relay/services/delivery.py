@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
@@ -410,7 +410,7 @@ def _write(book: Bookkeeping) -> None:
             )
             lifecycle.died(book.dead, at=now)
         if book.delivered:
-            stale = now - timezone.timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
+            stale = now - timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
             Registration.objects.filter(
                 Q(last_push__isnull=True) | Q(last_push__lt=stale), pk__in=book.delivered
             ).update(last_push=now)

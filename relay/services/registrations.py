@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import cast
 
 from django.db import IntegrityError, transaction
 from django.db.models import Exists, OuterRef
@@ -78,7 +79,7 @@ def register_device(
     registration passes the limits (`RegistrationRefused`).
     """
     # An address the app can never send to is refused now, not dead-lettered at each push.
-    channels.check_sendable(app_id=component.app_id, service=service, token=token)
+    channels.check_sendable(app_id=cast(int, component.app_id), service=service, token=token)
     device_hash = account_hash(bare_jid, device_id)
     room_hash = account_hash(room_jid, device_id) if room_jid else ""
     domain = _domain_of(bare_jid)
@@ -132,7 +133,10 @@ def unregister_device(
     room_hash = account_hash(room_jid, device_id) if room_jid else ""
     deleted, _ = lifecycle.delete_logged(
         Registration.objects.filter(
-            app_id=component.app_id, service=service, device_hash=device_hash, room_hash=room_hash
+            app_id=cast(int, component.app_id),
+            service=service,
+            device_hash=device_hash,
+            room_hash=room_hash,
         )
     )
     if not deleted:

@@ -47,7 +47,7 @@ def prune_table(
     progress: Callable[[Progress], None] | None = None,
 ) -> int:
     """Delete `model` rows whose `field` is before `cutoff`, one id range at a time."""
-    old = model.objects.filter(**{f"{field}__lt": cutoff})
+    old = model._default_manager.filter(**{f"{field}__lt": cutoff})
     bounds = old.aggregate(low=Min("id"), high=Max("id"))
     low, high = bounds["low"], bounds["high"]
     if low is None:

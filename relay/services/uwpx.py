@@ -382,9 +382,9 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
             at=now,
         )
     for item in wanted:
-        reg = existing.get(item.device_hash)
-        if reg is not None and item.domain and reg.account_domain != item.domain:
-            Registration.objects.filter(pk=reg.pk).update(account_domain=item.domain)
+        found = existing.get(item.device_hash)
+        if found is not None and item.domain and found.account_domain != item.domain:
+            Registration.objects.filter(pk=found.pk).update(account_domain=item.domain)
     new = [
         Registration(
             app=app,
