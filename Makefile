@@ -48,8 +48,14 @@ run: $(STAMP) migrate
 	$(BIN)/python manage.py collectstatic --noinput -v0
 	$(BIN)/honcho start -f Procfile
 
+# The product packages whose imports deptry checks against pyproject.toml.
+PRODUCT := relay xmppgateway pushsite analytics
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/deptry $(PRODUCT)
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 # Both suites always run, side by side: the PostgreSQL suite in two slices of whole modules
 # (tests/support/shards.py), each under its own private PostgreSQL and Redis and its own VAR_DIR,

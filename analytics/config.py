@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"  # Debian: libpostgresql-jdbc-java
@@ -63,7 +64,7 @@ class Database:
         return properties
 
     @property
-    def libpq(self) -> dict[str, str | int]:
+    def libpq(self) -> dict[str, Any]:
         return {
             "host": self.host,
             "port": self.port,

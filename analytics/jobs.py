@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import date, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 if __package__ in (None, ""):
     # Run as a file by spark-submit: import `analytics` from the checkout, and not this
@@ -38,7 +38,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(_here).parent))
 
 from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 
 from analytics import exports, report_page, reports, sources, store, writer
@@ -109,7 +109,9 @@ def _named(frame: DataFrame, tenant_names: DataFrame, app_names: DataFrame | Non
     frame = frame.join(tenant_names, "tenant_id", "left")
     if app_names is not None:
         frame = frame.join(app_names, "app_id", "left")
-    filled = {"tenant_name": ""} | ({"app_name": ""} if app_names is not None else {})
+    filled: dict[str, bool | float | int | str] = {"tenant_name": ""}
+    if app_names is not None:
+        filled["app_name"] = ""
     return frame.fillna(filled)
 
 
@@ -197,7 +199,7 @@ def _compute_days(
     # One pass over the rows sums them by the finest key every report needs (small); the
     # percentiles need each latency, so delivered pushes' latencies are a second, narrow read.
     sums = reports.summed(facts).persist(StorageLevel.MEMORY_AND_DISK)
-    summary.rows_read = int(sums.agg(F.sum("rows")).first()[0] or 0)
+    summary.rows_read = int(cast(Row, sums.agg(F.sum("rows")).first())[0] or 0)
     say(f"read {summary.rows_read} row(s); usage and latency percentiles")
     latencies = sources.read_latencies(
         spark, config.source, changed, stats, rows_per_partition=config.rows_per_partition

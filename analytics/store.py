@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from datetime import date
-from typing import Any
+from typing import Any, cast
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -25,7 +25,7 @@ class _HadoopFs:
     needs. `_jvm` and `_jsc` are PySpark internals, stable across 3.x and 4.x."""
 
     def __init__(self, spark: SparkSession, root: str) -> None:
-        self._jvm = spark.sparkContext._jvm
+        self._jvm: Any = cast(Any, spark.sparkContext._jvm)  # set once the context runs
         conf = spark.sparkContext._jsc.hadoopConfiguration()
         self._root = self._jvm.org.apache.hadoop.fs.Path(root)
         self._fs = self._root.getFileSystem(conf)

@@ -154,9 +154,9 @@ def bench_provider(
     from django.db.models import Count
     from django.utils import timezone
 
+    from relay import conf
     from relay.models import Delivery
     from relay.services import queue
-    from xmppgateway.gateway import PUBLISH_BATCH_MAX
 
     registrations = make_registrations(component, service, fakes, WARMUP + args.sends, service)
     before = fakes.count(service)
@@ -171,9 +171,10 @@ def bench_provider(
         )
         for registration in registrations
     ]
-    # As the gateway queues them: batches of up to PUBLISH_BATCH_MAX jobs per message, or
+    # As the gateway queues them: batches of up to RELAY PUBLISH_BATCH_MAX jobs per message, or
     # one message per job with --single (the path of retries, replays and test pushes).
-    size = 1 if args.single else PUBLISH_BATCH_MAX
+    batch_max = conf.current().publish_batch_max
+    size = 1 if args.single else batch_max
     for start in range(0, len(jobs), size):
         queue.enqueue_sends(jobs[start : start + size])
     workers = start_workers(args.workers, args.concurrency)
@@ -189,7 +190,7 @@ def bench_provider(
     return {
         "sends": args.sends,
         "sends_per_second": round(args.sends / (end - start), 1),
-        "jobs_per_message": 1 if args.single else PUBLISH_BATCH_MAX,
+        "jobs_per_message": 1 if args.single else batch_max,
         "outcomes": outcomes,
     }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -340,6 +341,10 @@ RELAY = {
     # Gateway: requests one link may have waiting for the database or the broker; beyond it
     # they are answered `wait` (resource-constraint).
     "LINK_MAX_IN_FLIGHT": env_int("RELAY_LINK_MAX_IN_FLIGHT", 1000),
+    # Gateway: publishes gathered into one check-and-queue call (and one broker message per
+    # app): a few milliseconds, or this many.
+    "PUBLISH_BATCH_SECONDS": 0.002,
+    "PUBLISH_BATCH_MAX": 100,
     # Sending: retries with backoff for temporary provider errors.
     "SEND_MAX_ATTEMPTS": env_int("RELAY_SEND_MAX_ATTEMPTS", 8),
     "SEND_RETRY_BASE_SECONDS": env_float("RELAY_SEND_RETRY_BASE_SECONDS", 2.0),
@@ -349,7 +354,7 @@ RELAY = {
     # HTTP timeout towards the push providers (seconds): a provider that accepts connections
     # and never answers holds a worker thread this long (docs/faults.md).
     "PROVIDER_TIMEOUT_SECONDS": env_float("RELAY_PROVIDER_TIMEOUT_SECONDS", 5.0),
-    # Delivery engine (relay/services/delivery.py, throttling.py, providers/limits.py).
+    # Delivery engine (relay/services/delivery.py, throttling/, provider_limits.py).
     # A quota error (FCM QUOTA_EXCEEDED, HTTP 429) without Retry-After waits at least this.
     "SEND_QUOTA_MIN_SECONDS": env_float("RELAY_SEND_QUOTA_MIN_SECONDS", 60.0),
     # At most one send per registration per window; later publishes fold into one delayed
@@ -359,7 +364,7 @@ RELAY = {
     "TENANT_RATE_PER_SECOND": env_float("RELAY_TENANT_RATE_PER_SECOND", 500.0),
     "TENANT_RATE_BURST": env_int("RELAY_TENANT_RATE_BURST", 5000),
     # Sends in flight per app's provider in one worker process; excess waits, then retries
-    # later (relay/providers/limits.py).
+    # later (relay/services/provider_limits.py).
     "MAX_IN_FLIGHT_PER_PROVIDER": env_int("RELAY_MAX_IN_FLIGHT_PER_PROVIDER", 100),
     # A send a worker already holds waits this long for one of its app's slots before it goes
     # back to the broker as retry-later: bouncing at once delayed a tenth of the pushes under
@@ -399,6 +404,7 @@ RELAY = {
     or "https://login.live.com/accesstoken.srf",
 }
 
+
 def env_rate(name: str, default: str) -> tuple[int, float]:
     """A rate limit written "count/seconds" (e.g. "60/60"); a count of 0 turns it off."""
     count, _, seconds = (os.environ.get(name) or default).partition("/")
@@ -408,6 +414,7 @@ def env_rate(name: str, default: str) -> tuple[int, float]:
 # --- Reports (analytics/, docs/reports.md): delivery records, registration events and publish
 # tallies older than this many days are pruned by `manage.py prune_records` (beat task below).
 RELAY["RETENTION_DAYS"] = env_int("RELAY_RETENTION_DAYS", 90)
+
 
 def env_rate_burst(name: str, default: str) -> tuple[float, float]:
     """A token bucket written "rate/burst" (e.g. "10/100"); a rate of 0 turns it off."""
@@ -439,9 +446,7 @@ RELAY.update(
 # registering again (a new token) is never refused.
 RELAY.update(
     {
-        "REGISTRATION_RATE_PER_DOMAIN": env_rate(
-            "RELAY_REGISTRATION_RATE_PER_DOMAIN", "1000/3600"
-        ),
+        "REGISTRATION_RATE_PER_DOMAIN": env_rate("RELAY_REGISTRATION_RATE_PER_DOMAIN", "1000/3600"),
         "REGISTRATION_RATE_PER_TENANT": env_rate(
             "RELAY_REGISTRATION_RATE_PER_TENANT", "10000/3600"
         ),
@@ -494,7 +499,7 @@ UWPX_TLS_KEY_FILE = os.environ.get("UWPX_TLS_KEY_FILE", "")
 # CACHE_URL=redis://host:6379/1 for several hosts; by default a folder under VAR_DIR.
 CACHE_URL = os.environ.get("CACHE_URL", "")
 if CACHE_URL.startswith(("redis://", "rediss://")):
-    CACHES = {
+    CACHES: dict[str, dict[str, Any]] = {
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
             "LOCATION": CACHE_URL,

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def locked_out(
     request: HttpRequest, original_response: HttpResponse | None = None, credentials: Any = None
-) -> TemplateResponse:
+) -> HttpResponse:
     """The page django-axes answers a locked-out login with (429), in the admin's look."""
     minutes = math.ceil(login_throttle.cool_off(request).total_seconds() / 60)
     log.warning("admin.login_locked_out")
@@ -46,7 +46,8 @@ class RelayAdminSite(admin.AdminSite):
     site_url = None  # the service has no public site to go back to
 
     def get_urls(self) -> list[URLResolver | URLPattern]:
-        from relay import admin_reports  # registers the report pages and their models
+        # Imported here: it registers the report pages and their models.
+        from relay.admin import reports as admin_reports
 
         extra = [
             *admin_reports.urls(self),

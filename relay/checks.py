@@ -10,14 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from cryptography.fernet import Fernet
-from django.conf import settings
-from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import DatabaseError
+
+from relay import conf
 
 
 @register("relay")
 def credential_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    keys = list(getattr(settings, "CREDENTIAL_KEYS", []) or [])
+    keys = list(conf.current().credential_keys)
     if not keys:
         return [Error("CREDENTIAL_KEYS is empty: credentials cannot be stored.", id="relay.E001")]
     for index, key in enumerate(keys):
@@ -32,11 +33,12 @@ def credential_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckM
                     id="relay.E002",
                 )
             ]
-    from relay.services import credentials
+    from relay.services.credentials import keys as credential_keys
+    from relay.services.credentials import selectors as credential_selectors
 
     try:
-        status = credentials.credential_key_status()
-        expiring = list(credentials.certificates_expiring()[:20])
+        status = credential_keys.credential_key_status()
+        expiring = list(credential_selectors.certificates_expiring()[:20])
     except DatabaseError:
         return []
     messages: list[CheckMessage] = []
@@ -61,7 +63,10 @@ def credential_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckM
         )
     for app in expiring:
         messages.append(
-            Warning(credentials.expiry_warning(app=app) or f"{app}: certificate", id="relay.W003")
+            Warning(
+                credential_selectors.expiry_warning(app=app) or f"{app}: certificate",
+                id="relay.W003",
+            )
         )
     return messages
 
@@ -102,7 +107,7 @@ def tenant_scope_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
 
 @register("relay")
 def login_settings_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    if settings.RELAY.get("LOGIN_MAX_FAILURES_PER_ADDRESS"):
+    if conf.current().login_max_failures_per_address:
         return [
             Warning(
                 "RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS is no longer used: logins are locked out "
@@ -119,26 +124,26 @@ def login_settings_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
 @register("relay")
 def gateway_limits_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Stanza limits a real publish would break: every such publish would end the link."""
-    relay = settings.RELAY
+    relay = conf.current()
     messages: list[CheckMessage] = []
-    smallest = int(relay["MAX_FIELD_LENGTH"]) * 2 + 4096  # a publish with a long field or two
-    if int(relay["MAX_STANZA_BYTES"]) < smallest:
+    smallest = relay.max_field_length * 2 + 4096  # a publish with a long field or two
+    if relay.max_stanza_bytes < smallest:
         messages.append(
             Error(
-                f"RELAY_MAX_STANZA_BYTES ({relay['MAX_STANZA_BYTES']}) is below {smallest}: a "
+                f"RELAY_MAX_STANZA_BYTES ({relay.max_stanza_bytes}) is below {smallest}: a "
                 "publish with form fields of RELAY_MAX_FIELD_LENGTH would end its link.",
                 id="relay.E101",
             )
         )
-    if int(relay["MAX_STANZA_DEPTH"]) < 10:
+    if relay.max_stanza_depth < 10:
         messages.append(
             Error("RELAY_MAX_STANZA_DEPTH is below 10: publishes nest 8 deep.", id="relay.E102")
         )
-    if int(relay["LINK_MAX_IN_FLIGHT"]) < 1:
+    if relay.link_max_in_flight < 1:
         messages.append(Error("RELAY_LINK_MAX_IN_FLIGHT must be at least 1.", id="relay.E103"))
     from relay.services.link_leases import DROP_MARGIN_SECONDS
 
-    lease, renew = float(relay["GATEWAY_LEASE_SECONDS"]), float(relay["GATEWAY_RENEW_SECONDS"])
+    lease, renew = relay.gateway_lease_seconds, relay.gateway_renew_seconds
     if renew <= 0 or renew * 2 + DROP_MARGIN_SECONDS >= lease:
         # The holder drops a link DROP_MARGIN before its lease can expire: it must be able to
         # miss one renewal without dropping every link.
@@ -146,7 +151,7 @@ def gateway_limits_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
             Error(
                 f"RELAY_GATEWAY_RENEW_SECONDS ({renew}) must be above 0 and twice it plus "
                 f"{DROP_MARGIN_SECONDS} below RELAY_GATEWAY_LEASE_SECONDS ({lease}).",
-                id="relay.E104",
+                id="relay.E107",
             )
         )
     return messages
@@ -158,7 +163,7 @@ def unifiedpush_keys_check(app_configs: Any = None, **kwargs: Any) -> list[Check
     longer configured cannot be delivered (the key was dropped before they expired)."""
     from relay.services.unifiedpush import keys
 
-    entries = list(getattr(settings, "UNIFIEDPUSH_KEYS", []) or [])
+    entries = list(conf.current().unifiedpush_keys)
     if not entries:
         return [Error("UNIFIEDPUSH_KEYS is empty: no endpoint can be issued.", id="relay.E010")]
     for index, entry in enumerate(entries):
@@ -198,9 +203,14 @@ def probe_listen_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     from relay.probes import parse_listen
 
     messages: list[CheckMessage] = []
-    for name in ("GATEWAY_PROBE_LISTEN", "WORKER_PROBE_LISTEN"):
+    relay = conf.current()
+    listens = {
+        "GATEWAY_PROBE_LISTEN": relay.gateway_probe_listen,
+        "WORKER_PROBE_LISTEN": relay.worker_probe_listen,
+    }
+    for name, listen in listens.items():
         try:
-            address = parse_listen(getattr(settings, name, ""))
+            address = parse_listen(listen)
         except ValueError:
             address = None
             messages.append(
@@ -213,3 +223,51 @@ def probe_listen_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
         if address is not None and not 0 <= address[1] <= 65535:
             messages.append(Error(f"{name}: the port must be 0 to 65535.", id="relay.E120"))
     return messages
+
+
+@register("relay")
+def retry_window_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A delayed send (a retry, or a coalesced send) waits unacknowledged in a worker until it
+    is due; a broker visibility timeout shorter than that delay hands it to a second worker,
+    and the phone is woken twice."""
+    relay = conf.current()
+    visibility = relay.broker_visibility_timeout
+    longest = max(relay.send_retry_max_seconds, relay.coalesce_seconds)
+    if visibility is None or visibility > longest:
+        return []
+    return [
+        Error(
+            f"CELERY_VISIBILITY_TIMEOUT ({visibility:g} s) must exceed the longest retry delay "
+            f"({longest:g} s, RELAY_SEND_RETRY_MAX_SECONDS or RELAY_COALESCE_SECONDS).",
+            hint="Raise CELERY_VISIBILITY_TIMEOUT or lower RELAY_SEND_RETRY_MAX_SECONDS.",
+            id="relay.E104",
+        )
+    ]
+
+
+@register("relay", Tags.database)
+def state_store_check(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """The shared state store (coalescing windows, token buckets) answers. Tagged `database`:
+    it runs with `migrate` and `check --database default` (the deploy steps before the
+    processes start), not with every command; unreachable, the relay would fail open on every
+    publish (no coalescing, no tenant limits) with only a log line to show for it."""
+    if not databases:
+        return []
+    from relay.services import throttling
+
+    try:
+        throttling.check_store()
+    except ValueError as error:
+        return [Error(str(error), id="relay.E105")]
+    except throttling.StateUnavailable as error:
+        return [
+            Error(
+                f"The state store (RELAY_STATE_URL) does not answer: {error}.",
+                hint="Start it, or point RELAY_STATE_URL at one that runs (redis://... or "
+                "sqlite:///path).",
+                id="relay.E106",
+            )
+        ]
+    return []

@@ -11,8 +11,9 @@ import functools
 from typing import Any
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
-from django.conf import settings
 from django.db import models
+
+from relay import conf
 
 PREFIX = "enc:v1:"
 
@@ -27,7 +28,7 @@ def _fernet(keys: tuple[str, ...]) -> MultiFernet:
 
 
 def fernet() -> MultiFernet:
-    return _fernet(tuple(settings.CREDENTIAL_KEYS))
+    return _fernet(tuple(conf.current().credential_keys))
 
 
 def encrypt(plain: str) -> str:
@@ -53,7 +54,7 @@ def needs_rotation(stored: str) -> bool:
         return False
     if not stored.startswith(PREFIX):
         return True
-    primary = Fernet(settings.CREDENTIAL_KEYS[0].encode())
+    primary = Fernet(conf.current().credential_keys[0].encode())
     try:
         primary.decrypt(stored[len(PREFIX) :].encode())
     except InvalidToken:

@@ -8,14 +8,16 @@ file can be uploaded instead of pasting. What makes a credential valid is decide
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from django import forms
 from django.core.exceptions import ValidationError
 from django.core.files.uploadedfile import UploadedFile
+from django.db import models
 
 from relay.models import App
-from relay.services import credentials
+from relay.services.credentials.stored import credential_fingerprint
+from relay.services.credentials.validation import refresh_derived_fields, validate_credentials
 
 MAX_UPLOAD_BYTES = 64 * 1024
 
@@ -106,8 +108,8 @@ class AppForm(forms.ModelForm):
         if "wns_channel_hosts" in self.fields:
             self.fields["wns_channel_hosts"].help_text = WNS_CHANNEL_HOSTS_HELP
         for name in SECRET_FIELDS:
-            stored = credentials.credential_fingerprint(getattr(self.instance, name))
-            base = App._meta.get_field(name).help_text
+            stored = credential_fingerprint(getattr(self.instance, name))
+            base = cast("models.Field[Any, Any]", App._meta.get_field(name)).help_text
             note = f"Stored: {stored}. Leave empty to keep it."
             self.fields[name].help_text = f"{base} {note}" if base else note
 
@@ -142,7 +144,7 @@ class AppForm(forms.ModelForm):
         return pasted or uploaded or (getattr(self.instance, name) or "")
 
     def clean(self) -> dict[str, Any]:
-        cleaned = super().clean()
+        cleaned = cast(dict[str, Any], super().clean())  # a ModelForm's is never None
         resolved = True
         for name in SECRET_FIELDS:
             try:
@@ -160,7 +162,7 @@ class AppForm(forms.ModelForm):
             if field.name.startswith(PROVIDER_PREFIXES)
         }
         try:
-            credentials.validate_credentials(values=values)
+            validate_credentials(values=values)
         except ValidationError as error:
             for field, messages in error.message_dict.items():
                 if field in self.errors:
@@ -171,10 +173,10 @@ class AppForm(forms.ModelForm):
 
     def save(self, commit: bool = True) -> App:
         app = super().save(commit=False)
-        credentials.refresh_derived_fields(app=app)
+        refresh_derived_fields(app=app)
         if commit:
             app.save()
-            self._save_m2m()
+            self.save_m2m()  # set by save(commit=False): Django's _save_m2m
         return app
 
 

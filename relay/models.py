@@ -14,6 +14,7 @@ from django.db import models
 from django.db.models import Q
 
 from relay.crypto import EncryptedTextField
+from relay.providers.base import Outcome
 
 
 def new_public_key() -> str:
@@ -300,15 +301,6 @@ class WnsDevice(models.Model):
         return f"WNS device {self.device_id_hash[:12]}"
 
 
-class Outcome(models.TextChoices):
-    """How a push ended: the provider interface classifies every answer into one of these."""
-
-    DELIVERED = "delivered", "delivered"
-    DEAD_TOKEN = "dead_token", "dead token"
-    RETRY_LATER = "retry_later", "retry later"
-    FAILED = "failed", "failed"
-
-
 class Priority(models.TextChoices):
     HIGH = "high", "important"
     NORMAL = "normal", "silent"
@@ -333,7 +325,9 @@ class Delivery(models.Model):
     queued = models.DateTimeField()
     sent = models.DateTimeField(null=True, blank=True)
     attempts = models.PositiveSmallIntegerField(default=1)
-    outcome = models.CharField(max_length=16, choices=Outcome.choices)
+    outcome = models.CharField(
+        max_length=16, choices=[(outcome.value, outcome.label) for outcome in Outcome]
+    )
     error_code = models.CharField(max_length=64, blank=True)
     coalesced = models.PositiveIntegerField(
         default=0, help_text="Later publishes folded into this send by burst coalescing."

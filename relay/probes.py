@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from django.conf import settings
 from django.db import connections
 
-from relay import metrics
+from relay import conf, metrics
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _metrics(self) -> None:
         authorization = self.headers.get("Authorization", "")
-        if not metrics.token_accepted(settings.METRICS_TOKEN, authorization):
+        if not metrics.token_accepted(conf.current().metrics_token, authorization):
             self._send(401, "application/json", b"{}", [("WWW-Authenticate", "Bearer")])
             return
         self._send(200, metrics.CONTENT_TYPE, metrics.render(metrics.registry()))
@@ -71,7 +70,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, "application/json", json.dumps(body).encode())
 
     def _send(
-        self, status: int, content_type: str, body: bytes, headers: list[tuple[str, str]] = ()
+        self, status: int, content_type: str, body: bytes, headers: Sequence[tuple[str, str]] = ()
     ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)

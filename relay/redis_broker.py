@@ -104,7 +104,8 @@ class Channel(kombu_redis.Channel):
     QoS = QoS
     priority_steps = [0]
     lease_seconds = DEFAULT_LEASE_SECONDS
-    from_transport_options = (*kombu_redis.Channel.from_transport_options, "lease_seconds")
+    # kombu infers its own tuple's exact length; ours is one option longer.
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, "lease_seconds")  # type: ignore[assignment]
 
     owner = ""  # set when the channel first consumes
 
@@ -170,7 +171,7 @@ class Channel(kombu_redis.Channel):
         key = self._q_for_pri(queue, 0)
         self._polled = (queue, key)
         self._in_poll = self.client.connection
-        self._brpop_sent_at = time.monotonic()
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]  # kombu: None
         self.client.connection.send_command(
             "BLMOVE", key, transit_key(self.owner), "RIGHT", "LEFT", timeout or 0
         )
@@ -190,7 +191,7 @@ class Channel(kombu_redis.Channel):
             self._deliver_moved(queue, item)
             return True
         finally:
-            self._in_poll = None
+            self._in_poll = None  # type: ignore[assignment]  # kombu infers bool
             self._polled = None
             self._flush_brpop_reauth()
 
@@ -212,7 +213,7 @@ class Channel(kombu_redis.Channel):
             # before that, it stays there for `recover_stranded`.
             self.connection.in_transit.pop(tag, None)
 
-    def _get(self, queue: str) -> dict[str, Any]:
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         """basic_get (tests, tools): one LMOVE into the transit list."""
         self._take_lease()
         transit = transit_key(self.owner)
@@ -320,7 +321,7 @@ class Transport(kombu_redis.Transport):
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
-        cycle = self.cycle
+        cycle: Any = self.cycle
         old = getattr(cycle, "_relay_lease_tref", None)
         if old is not None:
             old.cancel()
@@ -334,7 +335,8 @@ class Transport(kombu_redis.Transport):
     def tend_leases(self) -> None:
         """Every few seconds on the event loop: renew our leases, give back stranded transit
         messages, expire dead owners' leases. Broker trouble waits for the next round."""
-        channels = [channel for channel in list(self.cycle._channels) if channel.owner]
+        cycle: Any = self.cycle
+        channels = [channel for channel in list(cycle._channels) if channel.owner]
         try:
             for channel in channels:
                 channel.renew_lease()

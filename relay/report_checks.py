@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from django.conf import settings
 from django.core.checks import CheckMessage, Warning, register
+
+from relay import conf
 
 # The monthly usage export needs the whole previous month still on record.
 MIN_RETENTION_DAYS = 62
@@ -16,7 +17,7 @@ MIN_RETENTION_DAYS = 62
 @register("relay")
 def reports_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
-    days = settings.RELAY["RETENTION_DAYS"]
+    days = conf.current().retention_days
     if 0 < days < MIN_RETENTION_DAYS:
         messages.append(
             Warning(

@@ -29,10 +29,11 @@ from celery import Task, shared_task
 from celery.exceptions import Reject
 from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
 
-from relay.models import Outcome
-from relay.providers import limits, registry
+from relay.providers.base import Outcome
 from relay.services import delivery
-from relay.services.queue import SendJob
+from relay.services import provider_limits as limits
+from relay.services import provider_registry as registry
+from relay.services.queue import SEND_PUSH, SEND_PUSHES, SendJob
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,12 @@ SEND_TASK_OPTIONS: dict[str, Any] = {
 }
 
 
-@shared_task(name="relay.send_push", **SEND_TASK_OPTIONS)
+@shared_task(name=SEND_PUSH, **SEND_TASK_OPTIONS)
 def send_push(self: Task, message: dict[str, Any]) -> str:
     return _deliver(self, [message])[0].value
 
 
-@shared_task(name="relay.send_pushes", **SEND_TASK_OPTIONS)
+@shared_task(name=SEND_PUSHES, **SEND_TASK_OPTIONS)
 def send_pushes(self: Task, messages: list[dict[str, Any]]) -> int:
     """A batch the gateway queued as one message: acknowledged once every job in it is done
     (sent, retried individually, or dead-lettered), so a killed worker redelivers all of it."""
@@ -113,12 +114,11 @@ _probes: list[Any] = []
 @worker_init.connect(weak=False)
 def _start_probes(**_: object) -> None:
     """/healthz, /readyz (database and broker reachable) and /metrics of this worker."""
-    from django.conf import settings
-
+    from relay import conf
     from relay.probes import ProbeServer
     from relay.services import health
 
-    probes = ProbeServer("worker", settings.WORKER_PROBE_LISTEN, health.readiness)
+    probes = ProbeServer("worker", conf.current().worker_probe_listen, health.readiness)
     probes.start()
     _probes.append(probes)
 

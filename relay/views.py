@@ -1,9 +1,8 @@
 """Probes for load balancers: thin, the checks themselves live in `relay.services.health`."""
 
-from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from relay import metrics
+from relay import conf, metrics
 from relay.services import health, observability
 
 
@@ -23,7 +22,8 @@ def readyz(request: HttpRequest) -> JsonResponse:
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """Prometheus: every gunicorn worker's counters added up, and the stored state."""
-    if not metrics.token_accepted(settings.METRICS_TOKEN, request.headers.get("Authorization", "")):
+    authorization = request.headers.get("Authorization", "")
+    if not metrics.token_accepted(conf.current().metrics_token, authorization):
         return HttpResponse(status=401, headers={"WWW-Authenticate": "Bearer"})
     scraped = metrics.registry(metrics.StateCollector(observability.read_state))
     return HttpResponse(metrics.render(scraped), content_type=metrics.CONTENT_TYPE)

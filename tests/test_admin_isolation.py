@@ -24,7 +24,7 @@ from django.db import models
 from django.test import Client, RequestFactory
 from django.urls import NoReverseMatch, reverse
 
-from relay.admin import OperatorOnlyAdmin, TenantScopedAdmin
+from relay.admin.base import OperatorOnlyAdmin, TenantScopedAdmin
 from relay.services import tenancy
 from tests.support.admin import (
     TenantWorld,

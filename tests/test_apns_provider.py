@@ -27,14 +27,13 @@ from django.apps import apps
 if not apps.ready:  # without pytest-django: relay.models holds Outcome; no database is used
     django.setup()
 
-from relay.models import Outcome
 from relay.providers.apns import (
     ApnsConfig,
     ApnsProvider,
     apns_id,
     classify,
 )
-from relay.providers.base import Wakeup
+from relay.providers.base import Outcome, Wakeup
 from tests.fakes.apns import (
     FakeApns,
     make_client_certificate,

@@ -18,12 +18,12 @@ from django.utils import timezone
 
 from pushsite.celery import app as celery_app
 from relay import tasks
-from relay.models import App, DeadLetter, Delivery, Outcome, Registration, Service
-from relay.providers import registry
-from relay.providers.base import SendResult, Wakeup, send_each
+from relay.models import App, DeadLetter, Delivery, Registration, Service
+from relay.providers.base import Outcome, SendResult, Wakeup, send_each
 from relay.providers.fcm import FcmConfig, FcmProvider
 from relay.providers.payloads import FcmPayload
 from relay.services import delivery, queue, throttling
+from relay.services import provider_registry as registry
 from relay.services.publishing import Publish, Verdict, accept_publishes
 from tests.fakes.fcm import FakeFcm
 from tests.support.broker import QUEUE
@@ -194,8 +194,7 @@ def test_a_batch_the_broker_refuses_answers_all_wait_and_queues_nothing(
         raise OSError("connection refused")
 
     with monkeypatch.context() as patched:
-        patched.setattr(tasks.send_pushes, "apply_async", broker_down)
-        patched.setattr(tasks.send_push, "apply_async", broker_down)
+        patched.setattr(celery_app, "send_task", broker_down)
         verdicts = accept_publishes(
             [
                 publish_for(first),

@@ -22,10 +22,10 @@ from django.utils import timezone
 
 from relay import checks, crypto
 from relay.forms import AppForm
-from relay.models import App, Outcome, Tenant
-from relay.providers import registry
-from relay.providers.base import Wakeup
-from relay.services import credentials
+from relay.models import App, Tenant
+from relay.providers.base import Outcome, Wakeup
+from relay.services import provider_registry as registry
+from relay.services.credentials import keys, selectors, stored, validation
 from tests.fakes.apns import (
     FakeApns,
     make_client_certificate,
@@ -142,7 +142,7 @@ def test_any_configured_key_decrypts_and_an_unknown_key_is_reported_not_raised(t
         loaded = App.objects.get(pk=app.pk)  # loading the row must not crash
         assert isinstance(loaded.apns_key, crypto.UnreadableCredential)
         assert p8 not in repr(loaded.apns_key)
-        assert "cannot be decrypted" in credentials.credential_fingerprint(loaded.apns_key)
+        assert "cannot be decrypted" in stored.credential_fingerprint(loaded.apns_key)
         loaded.apns_topic = TOPIC
         with pytest.raises(registry.NotConfigured) as caught:
             registry.provider_for(loaded, "apns")
@@ -161,11 +161,11 @@ def test_rotation_reencrypts_everything_so_the_old_key_can_go(tenant, p8, servic
         before = raw_row(first)
 
     with override_settings(CREDENTIAL_KEYS=[KEY_B, KEY_A]):
-        assert credentials.credential_key_status().rotation_pending == 3
+        assert keys.credential_key_status().rotation_pending == 3
         out = io.StringIO()
         call_command("rotate_credentials", stdout=out)
         assert "re-encrypted 3 " in out.getvalue()
-        status = credentials.credential_key_status()
+        status = keys.credential_key_status()
         assert (status.stored, status.rotation_pending, status.unreadable) == (3, 0, 0)
         out = io.StringIO()
         call_command("rotate_credentials", stdout=out)
@@ -194,7 +194,7 @@ def test_rotation_never_overwrites_a_credential_saved_meanwhile(tenant, monkeypa
 
     with override_settings(CREDENTIAL_KEYS=[KEY_B, KEY_A]):
         monkeypatch.setattr(crypto, "decrypt", decrypt_while_an_operator_saves)
-        assert credentials.rotate_credentials() == 0
+        assert keys.rotate_credentials() == 0
         monkeypatch.setattr(crypto, "decrypt", real_decrypt)
         assert App.objects.get(pk=app.pk).wns_secret == "new-secret"
 
@@ -205,8 +205,8 @@ def test_plain_legacy_values_are_read_and_rotated(tenant):
     with connection.cursor() as cursor:
         cursor.execute("UPDATE relay_app SET wns_secret = %s WHERE id = %s", [WNS_SECRET, app.pk])
     assert App.objects.get(pk=app.pk).wns_secret == WNS_SECRET
-    assert credentials.credential_key_status().rotation_pending == 1
-    assert credentials.rotate_credentials() == 1
+    assert keys.credential_key_status().rotation_pending == 1
+    assert keys.rotate_credentials() == 1
     assert raw_row(app, ("wns_secret",))["wns_secret"].startswith(crypto.PREFIX)
     assert App.objects.get(pk=app.pk).wns_secret == WNS_SECRET
 
@@ -224,7 +224,7 @@ def test_system_check_reports_unreadable_values_and_pending_rotation(tenant, p8)
         assert "relay.W001" in check_ids()
     with override_settings(CREDENTIAL_KEYS=[KEY_C, KEY_A]):
         assert check_ids() == {"relay.W002"}
-        credentials.rotate_credentials()
+        keys.rotate_credentials()
         assert check_ids() == set()
     with override_settings(CREDENTIAL_KEYS=["not-a-fernet-key"]):
         assert check_ids() == {"relay.E002"}
@@ -402,7 +402,7 @@ def test_form_never_renders_stored_or_posted_secrets(tenant, p8, service_account
     html = str(AppForm(instance=App.objects.get(pk=app.pk)))
     for marker in markers:
         assert marker not in html
-    expected = credentials.credential_fingerprint(WNS_SECRET)
+    expected = stored.credential_fingerprint(WNS_SECRET)
     assert expected.startswith("set · sha256 ")
     assert expected in html
 
@@ -507,15 +507,15 @@ def test_certificates_expiring_selects_soon_and_already_expired_ones(tenant):
     }
     for name, not_after in expiries.items():
         make_app(tenant, name, apns_certificate_not_after=not_after)
-    assert [app.name for app in credentials.certificates_expiring()] == ["expired", "soon"]
-    assert [app.name for app in credentials.certificates_expiring(within_days=90)] == [
+    assert [app.name for app in selectors.certificates_expiring()] == ["expired", "soon"]
+    assert [app.name for app in selectors.certificates_expiring(within_days=90)] == [
         "expired",
         "soon",
         "later",
     ]
     soon = App.objects.get(name="soon")
-    assert "expires on" in credentials.expiry_warning(app=soon)
-    assert credentials.expiry_warning(app=App.objects.get(name="later")) == ""
+    assert "expires on" in selectors.expiry_warning(app=soon)
+    assert selectors.expiry_warning(app=App.objects.get(name="later")) == ""
 
 
 @pytest.fixture
@@ -540,14 +540,14 @@ def test_admin_shows_fingerprints_and_warns_before_the_certificate_expires(
         wns_package_sid=WNS_SID,
         wns_secret=WNS_SECRET,
     )
-    credentials.refresh_derived_fields(app=app)
+    validation.refresh_derived_fields(app=app)
     app.save()
 
     page = client.get(f"/admin/relay/app/{app.pk}/change/")
     assert page.status_code == 200
     html = page.content.decode()
     assert "expires on" in html  # the warning message
-    assert credentials.credential_fingerprint(WNS_SECRET) in html
+    assert stored.credential_fingerprint(WNS_SECRET) in html
     for marker in (secret_marker(certificate), secret_marker(key), WNS_SECRET, "BEGIN"):
         assert marker not in html
     assert 'enctype="multipart/form-data"' in html

@@ -15,10 +15,11 @@ from django.conf import settings
 from django.test import override_settings
 from django.utils import timezone
 
-from relay.models import DeadLetter, Delivery, Outcome, Priority, Registration, Service
-from relay.providers import limits, registry
-from relay.providers.base import SendResult, Wakeup
+from relay.models import DeadLetter, Delivery, Priority, Registration, Service
+from relay.providers.base import Outcome, SendResult, Wakeup
 from relay.services import dead_letters, delivery, queue, throttling
+from relay.services import provider_limits as limits
+from relay.services import provider_registry as registry
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeReply, FakeWns
 from tests.support.broker import queued_jobs_with_eta
@@ -473,7 +474,7 @@ def test_bad_payload_options_fail_loudly_not_silently(component, fakes):
     assert wire_requests(Service.FCM, fakes, registration) == []
 
 
-# --- bulkheads and breakers (relay/providers/limits.py) ------------------------------------------
+# --- bulkheads and breakers (relay/services/provider_limits.py) ------------------------------
 
 
 class BlockingProvider:

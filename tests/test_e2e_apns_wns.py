@@ -14,7 +14,8 @@ import uuid
 import pytest
 
 from relay.identifiers import account_hash
-from relay.models import Component, ComponentLink, Delivery, LinkState, Outcome, Service
+from relay.models import Component, ComponentLink, Delivery, LinkState, Service
+from relay.providers.base import Outcome
 from relay.services import throttling
 from tests.fakes.wns import FakeWns
 from tests.support.processes import start_gateway, start_worker, wait_until

@@ -27,7 +27,8 @@ from kombu import Connection
 
 from pushsite.celery import app as celery_app
 from relay import broker as relay_broker
-from relay.models import Delivery, Outcome
+from relay.models import Delivery
+from relay.providers.base import Outcome
 from relay.services.publishing import Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm
 from tests.support.processes import ROOT, ServiceProcess, service_env, wait_until, worker_argv

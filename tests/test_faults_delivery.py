@@ -24,9 +24,11 @@ from celery.exceptions import Reject, Retry
 from django.db import connection
 
 from relay import tasks
-from relay.models import Delivery, Outcome, Registration, Service
-from relay.providers import limits, registry
+from relay.models import Delivery, Registration, Service
+from relay.providers.base import Outcome
 from relay.services import delivery, throttling
+from relay.services import provider_limits as limits
+from relay.services import provider_registry as registry
 from tests.fakes.fcm import FakeFcm
 from tests.support.processes import test_database_url
 from tests.support.provider_fakes import configure_fcm

@@ -32,8 +32,7 @@ import firebase_admin
 from django.conf import settings
 from firebase_admin import messaging
 
-from relay.models import Outcome
-from relay.providers.base import PushProvider, SendResult, Wakeup
+from relay.providers.base import Outcome, PushProvider, SendResult, Wakeup
 from relay.providers.fcm import GOOGLE_FCM_ENDPOINT, FcmConfig, FcmProvider
 from tests.fakes.fcm import (
     FakeFcm,

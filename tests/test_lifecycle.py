@@ -16,9 +16,9 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from relay.models import Delivery, Registration, Service, Tenant
-from relay.providers import registry
 from relay.report_models import PublishTally, RegistrationEvent
 from relay.services import delivery, lifecycle, queue, retention, tallies, throttling, uwpx
+from relay.services import provider_registry as registry
 from relay.services.publishing import Publish, Verdict, accept_publishes
 from relay.services.registrations import register_device, unregister_device
 from tests.fakes.fcm import FakeFcm

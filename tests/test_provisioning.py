@@ -305,7 +305,7 @@ def test_wns_secret_can_come_from_a_file(files):
 
 
 def test_load_tenants_and_the_admin_form_share_the_component_secret_rule(files):
-    from relay.admin import ComponentForm
+    from relay.admin.components import ComponentForm
     from relay.services.onboarding import valid_secret
 
     for secret in ("s3cr3t", "x" * 15, "x" * 256, "with space 0123456789", "ok-" + "a" * 13):

@@ -19,8 +19,11 @@ import pytest
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
 django.setup()
 
-from relay.models import Outcome  # noqa: E402
-from relay.providers.base import SendResult, Wakeup  # noqa: E402
+from relay.providers.base import (  # noqa: E402
+    Outcome,
+    SendResult,
+    Wakeup,
+)
 from relay.providers.wns import (  # noqa: E402
     WnsConfig,
     WnsProvider,

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from relay.models import Component, Delivery, Outcome, Registration, Service
+from relay.models import Component, Delivery, Registration, Service
+from relay.providers.base import Outcome
 from relay.services import throttling
 from relay.services.publishing import Publish, Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from django.conf import settings
 from django.db import Error as DatabaseError
 from django.db import close_old_connections
 
+from relay import conf
 from relay.models import Component, LinkState
 from relay.probes import ProbeServer
 from relay.services import health, link_leases, links, publishing
@@ -49,9 +49,6 @@ SHED_GRACE_SECONDS = 2.0
 CLOSE_SECONDS = 2.5
 # How often the watchdog compares the held links with their lease deadlines (seconds).
 WATCHDOG_SECONDS = 0.2
-# Publishes gathered into one check-and-queue call: a few milliseconds, or this many.
-PUBLISH_BATCH_SECONDS = 0.002
-PUBLISH_BATCH_MAX = 100
 
 
 def _link_key(component: Component) -> tuple[Any, ...]:
@@ -102,8 +99,8 @@ class Link:
                 xmpp.abort()
 
     async def _run(self) -> None:
-        minimum = settings.RELAY["RECONNECT_MIN_SECONDS"]
-        maximum = settings.RELAY["RECONNECT_MAX_SECONDS"]
+        minimum = conf.current().reconnect_min_seconds
+        maximum = conf.current().reconnect_max_seconds
         delay = minimum
         while not self._stopping:
             reason, was_up = await self._connect_once()
@@ -135,12 +132,12 @@ class Link:
         xmpp = PushComponent(
             self.component,
             run_blocking=self.gateway.run_blocking,
-            max_field_length=settings.RELAY["MAX_FIELD_LENGTH"],
+            max_field_length=conf.current().max_field_length,
             limits=StreamLimits(
-                max_stanza_bytes=settings.RELAY["MAX_STANZA_BYTES"],
-                max_depth=settings.RELAY["MAX_STANZA_DEPTH"],
+                max_stanza_bytes=conf.current().max_stanza_bytes,
+                max_depth=conf.current().max_stanza_depth,
             ),
-            max_in_flight=settings.RELAY["LINK_MAX_IN_FLIGHT"],
+            max_in_flight=conf.current().link_max_in_flight,
             accept_publish=self.gateway.publishes.accept,
             iq_set_handlers=relay.iq_set_handlers(),
             on_iq_answer=lambda xml: relay.on_iq_answer(component_id, xml),
@@ -251,15 +248,15 @@ class PublishBatcher:
 
 class Gateway:
     def __init__(self, *, poll_seconds: float | None = None) -> None:
-        relay = settings.RELAY
-        self.lease_seconds = float(relay["GATEWAY_LEASE_SECONDS"])
+        relay = conf.current()
+        self.lease_seconds = relay.gateway_lease_seconds
         # Every poll renews the leases, so it comes at least every RENEW seconds.
         self.poll_seconds = min(
-            poll_seconds or relay["COMPONENT_POLL_SECONDS"], relay["GATEWAY_RENEW_SECONDS"]
+            poll_seconds or relay.component_poll_seconds, relay.gateway_renew_seconds
         )
-        self.name = link_leases.gateway_name(relay["GATEWAY_NAME"])
+        self.name = link_leases.gateway_name(relay.gateway_name)
         self.executor = ThreadPoolExecutor(
-            max_workers=relay["GATEWAY_THREADS"], thread_name_prefix="gateway-db"
+            max_workers=relay.gateway_threads, thread_name_prefix="gateway-db"
         )
         # Its own thread: renewals must not queue behind slow publishes.
         self.lease_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-lease")
@@ -269,8 +266,8 @@ class Gateway:
         self._held: tuple[int, int, int] = (0, 0, 0)
         self.publishes = PublishBatcher(
             self.run_blocking,
-            window=float(settings.RELAY.get("PUBLISH_BATCH_SECONDS", PUBLISH_BATCH_SECONDS)),
-            limit=int(settings.RELAY.get("PUBLISH_BATCH_MAX", PUBLISH_BATCH_MAX)),
+            window=conf.current().publish_batch_seconds,
+            limit=conf.current().publish_batch_max,
         )
         self.links: dict[int, Link] = {}
         self.synced = False
@@ -402,7 +399,7 @@ class Gateway:
                 loop.add_signal_handler(sig, self.stopped.set)
         probes = ProbeServer(
             "gateway",
-            settings.GATEWAY_PROBE_LISTEN,
+            conf.current().gateway_probe_listen,
             lambda: health.gateway_readiness(self.link_states()),
         )
         probes.start()

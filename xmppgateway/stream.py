@@ -37,7 +37,9 @@ import asyncio
 import contextlib
 import logging
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 from xml.sax.saxutils import escape
 
 from slixmpp import ComponentXMPP
@@ -132,10 +134,10 @@ class GuardedStream(ComponentXMPP):
         depth = self.xml_depth
         try:
             parser.feed(piece)
-            for event, element in parser.read_events():
+            for event, element in cast(Iterator[tuple[str, ET.Element]], parser.read_events()):
                 if event == "start":
                     if depth == 0:
-                        self._open_stream(element)  # type: ignore[arg-type]
+                        self._open_stream(element)
                     depth += 1
                     if depth > max_depth:
                         self.xml_depth = depth
@@ -148,7 +150,7 @@ class GuardedStream(ComponentXMPP):
                 depth -= 1
                 if depth == 1:
                     self.xml_depth = depth
-                    self._stanza(element)  # type: ignore[arg-type]
+                    self._stanza(element)
                     if self._closing:
                         return
                 elif depth == 0:

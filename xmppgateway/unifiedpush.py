@@ -37,10 +37,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 from xml.sax.saxutils import quoteattr
 
-from django.conf import settings
 from django.db import connection
 from slixmpp.jid import JID
 
+from relay import conf
 from relay.models import UnifiedPushOutcome
 from relay.services.unifiedpush import UP_NS, delivery, messages, registration, store
 from relay.services.unifiedpush.delivery import Fate
@@ -127,17 +127,11 @@ class UnifiedPushRelay:
 
     run_blocking: RunBlocking
     answer_timeout: float = field(
-        default_factory=lambda: settings.RELAY["UNIFIEDPUSH_ANSWER_TIMEOUT_SECONDS"]
+        default_factory=lambda: conf.current().unifiedpush_answer_timeout_seconds
     )
-    retry_base: float = field(
-        default_factory=lambda: settings.RELAY["UNIFIEDPUSH_RETRY_BASE_SECONDS"]
-    )
-    retry_max: float = field(
-        default_factory=lambda: settings.RELAY["UNIFIEDPUSH_RETRY_MAX_SECONDS"]
-    )
-    sweep_seconds: float = field(
-        default_factory=lambda: settings.RELAY["UNIFIEDPUSH_SWEEP_SECONDS"]
-    )
+    retry_base: float = field(default_factory=lambda: conf.current().unifiedpush_retry_base_seconds)
+    retry_max: float = field(default_factory=lambda: conf.current().unifiedpush_retry_max_seconds)
+    sweep_seconds: float = field(default_factory=lambda: conf.current().unifiedpush_sweep_seconds)
     links: dict[int, _Link] = field(default_factory=dict)
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     late: OrderedDict[str, InFlight] = field(default_factory=OrderedDict)

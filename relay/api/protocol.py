@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import logging
 
-from django.conf import settings
 from django.db import DatabaseError
 
+from relay import conf
 from relay.api.schemas import (
     AccountOut,
     AccountsResponse,
@@ -73,7 +73,7 @@ def handle_frame(*, app_key: str, frame: bytes, client_address: str) -> dict[str
     """The listener's whole request path for one NUL-framed message; never raises."""
     try:
         uwpx.check_address_rate(client_address=client_address)
-        if len(frame) > settings.RELAY["UWPX_MAX_BODY_BYTES"]:
+        if len(frame) > conf.current().uwpx_max_body_bytes:
             raise UwpxError(ErrorKind.TOO_LARGE, too_large_message())
         try:
             data = json.loads(frame.decode("utf-8"))
@@ -93,4 +93,4 @@ def handle_frame(*, app_key: str, frame: bytes, client_address: str) -> dict[str
 
 
 def too_large_message() -> str:
-    return f"Message too large: at most {settings.RELAY['UWPX_MAX_BODY_BYTES']} bytes."
+    return f"Message too large: at most {conf.current().uwpx_max_body_bytes} bytes."

@@ -7,6 +7,7 @@ hosts, the accounts limit, JID parsing) are checked again in `relay.services.uwp
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from ninja import Schema
@@ -150,7 +151,7 @@ def _field(loc: tuple[int | str, ...]) -> str:
     return text
 
 
-def describe(errors: list[dict[str, Any]], *, skip: int = 0) -> str:
+def describe(errors: Sequence[Mapping[str, Any]], *, skip: int = 0) -> str:
     """One line naming each problem, e.g. "device_id: must be ...; accounts[0].x: ..."."""
     lines = []
     for error in errors[:5]:

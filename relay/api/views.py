@@ -13,7 +13,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
@@ -21,6 +20,7 @@ from ninja import Body, NinjaAPI, Router
 from ninja.decorators import decorate_view
 from ninja.errors import HttpError, ValidationError
 
+from relay import conf
 from relay.api import protocol
 from relay.api.schemas import (
     AccountsResponse,
@@ -70,7 +70,7 @@ router = Router(tags=["Windows clients (UWPX)"])
 
 def client_address(request: HttpRequest) -> str:
     """The peer address, or the one the configured number of trusted proxies reported."""
-    proxies = int(settings.RELAY["API_TRUSTED_PROXIES"])
+    proxies = conf.current().api_trusted_proxies
     if proxies > 0:
         forwarded = [
             part.strip()
@@ -92,7 +92,7 @@ def error_response(request: HttpRequest, error: UwpxError) -> HttpResponse:
 
 
 def _check_size(request: HttpRequest) -> None:
-    limit = int(settings.RELAY["UWPX_MAX_BODY_BYTES"])
+    limit = conf.current().uwpx_max_body_bytes
     try:
         declared = int(request.META.get("CONTENT_LENGTH") or 0)
     except ValueError:

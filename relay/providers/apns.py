@@ -46,8 +46,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from h2.exceptions import NoAvailableStreamIDError
 
-from relay.models import Outcome
-from relay.providers.base import SendResult, Wakeup
+from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
 from relay.providers.payloads import ApnsPayload
 
 log = logging.getLogger(__name__)
@@ -67,32 +66,92 @@ _PUSH_ID_NAMESPACE = uuid.UUID("5b1f3a0e-3c7e-4f57-9d36-0c1a8f0e2b6d")
 _DEAD_400_REASONS = frozenset({"BadDeviceToken", "DeviceTokenNotForTopic"})
 
 
-def _pem_blocks(text: str, kind: str) -> list[str]:
+# --- credential validation (the admin, load_tenants and `ApnsConfig.validate` share it) ------
+
+
+def pem_blocks(text: str, kind: str) -> list[str]:
     """PEM blocks whose label ends with `kind` ("CERTIFICATE", "PRIVATE KEY")."""
     return [m.group(0) for m in _PEM_BLOCK.finditer(text) if m.group(1).endswith(kind)]
 
 
-def _load_private_key(pem: str, what: str) -> Any:
+def load_private_key(pem: str, what: str) -> Any:
     try:
         return serialization.load_pem_private_key(pem.strip().encode(), password=None)
-    except TypeError as error:  # cryptography: "password was not given"
-        raise ValueError(f"{what} is encrypted; give it without a passphrase") from error
-    except (ValueError, UnsupportedAlgorithm) as error:
-        raise ValueError(f"{what} is not a PEM private key") from error
+    except TypeError:  # cryptography: "password was not given"
+        raise ValueError(f"{what} is encrypted; give it without a passphrase") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise ValueError(f"{what} is not a PEM private key") from None
 
 
-def _describe_key(key: Any) -> str:
+def describe_key(key: Any) -> str:
+    """What kind of key this is, in words an operator recognises (never the key)."""
     if isinstance(key, ec.EllipticCurvePrivateKey):
-        return f"an EC {key.curve.name} key"
+        curve = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}
+        return f"an EC {curve.get(key.curve.name, key.curve.name)} key ({key.curve.name})"
     if isinstance(key, rsa.RSAPrivateKey):
-        return f"an RSA {key.key_size} key"
-    return f"a {type(key).__name__}"
+        return f"an RSA {key.key_size}-bit key"
+    return f"a {type(key).__name__.removeprefix('_')}"
 
 
 def _spki(public_key: Any) -> bytes:
     return public_key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
+
+
+def first_certificate(pem: str) -> x509.Certificate:
+    blocks = pem_blocks(pem, "CERTIFICATE")
+    if not blocks:
+        raise ValueError("The APNs certificate is not a PEM certificate")
+    try:
+        return x509.load_pem_x509_certificate(blocks[0].encode())
+    except ValueError:
+        raise ValueError("The APNs certificate cannot be parsed") from None
+
+
+def validate_apns_key(pem: str) -> None:
+    """A .p8 token-auth key: an unencrypted EC P-256 private key."""
+    key = load_private_key(pem, "The APNs key")
+    if not (isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"):
+        raise ValueError(f"The APNs key must be an EC P-256 (.p8) key, not {describe_key(key)}")
+
+
+def validate_apns_certificate(certificate: str) -> datetime:
+    """Certificate auth: parses and is valid now; returns its not-after (UTC)."""
+    cert = first_certificate(certificate)
+    now = datetime.now(UTC)
+    if cert.not_valid_after_utc <= now:
+        raise ValueError(
+            f"The APNs certificate expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+        )
+    if cert.not_valid_before_utc > now:
+        raise ValueError(
+            f"The APNs certificate is not valid before {cert.not_valid_before_utc:%Y-%m-%d} UTC"
+        )
+    return cert.not_valid_after_utc
+
+
+def certificate_private_key(certificate: str, private_key: str) -> Any:
+    """The certificate's key: from `private_key`, or from the certificate's PEM text."""
+    blocks = pem_blocks(private_key or certificate, "PRIVATE KEY")
+    if not blocks:
+        raise ValueError("Certificate auth needs the certificate's private key (PEM)")
+    return load_private_key(blocks[0], "The certificate's private key")
+
+
+def validate_apns_certificate_key(certificate: str, private_key: str) -> None:
+    key = certificate_private_key(certificate, private_key)
+    if _spki(first_certificate(certificate).public_key()) != _spki(key.public_key()):
+        raise ValueError("The private key does not belong to the APNs certificate")
+
+
+def validate_ca_certificates(pem: str) -> None:
+    if not pem_blocks(pem, "CERTIFICATE"):
+        raise ValueError("The trust store must hold PEM certificates")
+    try:
+        x509.load_pem_x509_certificates(pem.encode())
+    except ValueError:
+        raise ValueError("The trust store holds a certificate that cannot be parsed") from None
 
 
 @dataclass(frozen=True)
@@ -137,19 +196,10 @@ class ApnsConfig:
         return parts.hostname, port
 
     def _certificate(self) -> x509.Certificate:
-        blocks = _pem_blocks(self.certificate, "CERTIFICATE")
-        if not blocks:
-            raise ValueError("APNs certificate is not a PEM certificate")
-        try:
-            return x509.load_pem_x509_certificate(blocks[0].encode())
-        except ValueError as error:
-            raise ValueError("APNs certificate cannot be parsed") from error
+        return first_certificate(self.certificate)
 
     def _certificate_key(self) -> Any:
-        blocks = _pem_blocks(self.private_key or self.certificate, "PRIVATE KEY")
-        if not blocks:
-            raise ValueError("APNs certificate auth needs the certificate's private key")
-        return _load_private_key(blocks[0], "APNs certificate private key")
+        return certificate_private_key(self.certificate, self.private_key)
 
     @property
     def certificate_not_after(self) -> datetime | None:
@@ -179,31 +229,15 @@ class ApnsConfig:
     def _validate_token_auth(self) -> None:
         if not self.key_id.strip() or not self.team_id.strip():
             raise ValueError("APNs token auth needs the key id and the team id")
-        key = _load_private_key(self.key, "APNs key")
-        if not (isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"):
-            raise ValueError(
-                f"APNs key must be an EC P-256 (.p8) private key, got {_describe_key(key)}"
-            )
+        validate_apns_key(self.key)
 
     def _validate_certificate_auth(self) -> None:
-        certificate = self._certificate()
-        key = self._certificate_key()
-        if _spki(certificate.public_key()) != _spki(key.public_key()):
-            raise ValueError("APNs private key does not belong to the certificate")
-        now = datetime.now(UTC)
-        if certificate.not_valid_after_utc <= now:
-            raise ValueError(
-                f"APNs certificate expired on {certificate.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
-            )
-        if certificate.not_valid_before_utc > now:
-            raise ValueError(
-                "APNs certificate is not valid before "
-                f"{certificate.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
-            )
+        validate_apns_certificate(self.certificate)
+        validate_apns_certificate_key(self.certificate, self.private_key)
 
     def client_pem(self) -> str:
         """Certificate chain plus an unencrypted PKCS#8 key, as `ssl.load_cert_chain` wants."""
-        chain = _pem_blocks(self.certificate, "CERTIFICATE")
+        chain = pem_blocks(self.certificate, "CERTIFICATE")
         key = self._certificate_key().private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
@@ -410,13 +444,11 @@ class ApnsProvider:
         time_to_live: int | None = None,
         payload: ApnsPayload | None = None,
     ) -> None:
-        """`timeout` defaults to RELAY["PROVIDER_TIMEOUT_SECONDS"]; `time_to_live` (seconds)
+        """`timeout` defaults to DEFAULT_TIMEOUT_SECONDS; `time_to_live` (seconds)
         sets apns-expiration so Apple drops a wake-up that could not reach the phone in time."""
         config.validate()
         if timeout is None:
-            from django.conf import settings
-
-            timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
+            timeout = DEFAULT_TIMEOUT_SECONDS
         self.config = config
         self.payload = payload or DEFAULT_PAYLOAD
         self.timeout = timeout

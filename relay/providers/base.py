@@ -14,11 +14,31 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import ClassVar, Protocol
 
-from relay.models import Outcome
-
 log = logging.getLogger(__name__)
+
+# What a provider's client is built with when its caller gives no timeout (seconds); the
+# registry passes RELAY_PROVIDER_TIMEOUT_SECONDS, whose default this is.
+DEFAULT_TIMEOUT_SECONDS = 5.0
+
+
+class Outcome(StrEnum):
+    """How a push ended: the provider interface classifies every answer into one of these.
+
+    A plain enum, so the providers stay Django-free; `relay.models.Delivery.outcome` takes its
+    choices from it.
+    """
+
+    DELIVERED = "delivered"
+    DEAD_TOKEN = "dead_token"
+    RETRY_LATER = "retry_later"
+    FAILED = "failed"
+
+    @property
+    def label(self) -> str:
+        return self.value.replace("_", " ")
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,8 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from firebase_admin import credentials, exceptions, messaging
 from google.auth.transport.requests import Request as GoogleAuthRequest
 
-from relay.models import Outcome
-from relay.providers.base import SendResult, Wakeup
+from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
 from relay.providers.payloads import FcmPayload
 
 logger = logging.getLogger(__name__)
@@ -308,12 +307,6 @@ def _direct_client(service: Any, url: str) -> tuple[urllib3.PoolManager | None, 
     return http, headers
 
 
-def _default_timeout() -> float:
-    from django.conf import settings
-
-    return float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
-
-
 class FcmProvider:
     """Sends wake-ups for one Firebase project; safe to share between threads.
 
@@ -330,7 +323,7 @@ class FcmProvider:
     ) -> None:
         self.config = config
         self.payload = payload or DEFAULT_PAYLOAD
-        self.timeout = _default_timeout() if timeout is None else float(timeout)
+        self.timeout = DEFAULT_TIMEOUT_SECONDS if timeout is None else float(timeout)
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None
         self._token_lock = threading.Lock()
@@ -447,8 +440,10 @@ class FcmProvider:
         response.headers = requests.structures.CaseInsensitiveDict(answer.headers)
         response._content = answer.data
         response.url = self.send_url
-        error = self._service._handle_fcm_error(requests.exceptions.HTTPError(response=response))
-        return self._not_delivered(wakeup, classify(error))
+        fcm_error = self._service._handle_fcm_error(
+            requests.exceptions.HTTPError(response=response)
+        )
+        return self._not_delivered(wakeup, classify(fcm_error))
 
     def _not_delivered(self, wakeup: Wakeup, result: SendResult) -> SendResult:
         log = logger.warning if result.outcome == Outcome.FAILED else logger.info

@@ -63,8 +63,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from relay.models import Outcome
-from relay.providers.base import SendResult, Wakeup
+from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
 from relay.providers.payloads import WnsPayload
 
 logger = logging.getLogger(__name__)
@@ -352,9 +351,7 @@ class WnsProvider:
     ) -> None:
         config.validate()
         if timeout is None:
-            from django.conf import settings
-
-            timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
+            timeout = DEFAULT_TIMEOUT_SECONDS
         self._config = config
         self._payload = payload or DEFAULT_PAYLOAD
         self._clock = clock

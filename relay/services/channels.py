@@ -4,7 +4,7 @@ A WNS channel URI the worker would refuse (its host or port not on the app's cha
 used to be registered anyway: the phone was told `completed`, and every push to it went
 straight to the dead letters. Registration now asks the same question the worker asks before
 each send, `relay.providers.wns.channel_uri_allowed` with the app's hosts from
-`relay.services.credentials.wns_channel_hosts`, and refuses with a text that says what is
+`relay.services.credentials.configs.wns_channel_hosts`, and refuses with a text that says what is
 wrong. Both ways in use it: the ad-hoc command `register-push-wns`
 (`relay.services.registrations.register_device`) and the Windows API
 (`relay.services.uwpx`).
@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from relay.models import App, Service
 from relay.providers.wns import channel_uri_allowed, parse_host_pattern
-from relay.services import credentials
+from relay.services.credentials.configs import wns_channel_hosts
 
 # The longest channel URI accepted (WNS's are about 200 characters).
 MAX_CHANNEL_URI_LENGTH = 2048
@@ -43,7 +43,7 @@ def wns_channel_sendable(*, app: App, channel_uri: str) -> bool:
     return (
         isinstance(channel_uri, str)
         and len(channel_uri) <= MAX_CHANNEL_URI_LENGTH
-        and channel_uri_allowed(channel_uri, credentials.wns_channel_hosts(app=app))
+        and channel_uri_allowed(channel_uri, wns_channel_hosts(app=app))
     )
 
 
@@ -62,7 +62,7 @@ def check_sendable(*, app_id: int, service: str, token: str) -> None:
 
 def why_not_sendable(*, app: App, channel_uri: object) -> str:
     """A clear reason, naming the app's patterns but never echoing the URI itself."""
-    hosts = credentials.wns_channel_hosts(app=app)
+    hosts = wns_channel_hosts(app=app)
     allowed = f"this app's WNS channel hosts: {', '.join(hosts)}"
     prefix = "the WNS channel URI cannot be sent to: "
     if not isinstance(channel_uri, str) or len(channel_uri) > MAX_CHANNEL_URI_LENGTH:

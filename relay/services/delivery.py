@@ -41,19 +41,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from relay import metrics
-from relay.models import App, DeadLetter, Delivery, Outcome, Priority, Registration
-from relay.providers import limits, registry
-from relay.providers.base import SendResult, Wakeup
+from relay import conf, metrics
+from relay.models import App, DeadLetter, Delivery, Priority, Registration
+from relay.providers.base import Outcome, SendResult, Wakeup
 from relay.services import lifecycle, queue, throttling
+from relay.services import provider_limits as limits
+from relay.services import provider_registry as registry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,14 +72,14 @@ def retry_delay(attempt: int, retry_after: float | None, *, quota: bool = False)
     The jitter is added on top of a Retry-After so that a burst refused together does not
     come back together.
     """
-    base = float(settings.RELAY["SEND_RETRY_BASE_SECONDS"])
-    cap = float(settings.RELAY["SEND_RETRY_MAX_SECONDS"])
+    base = conf.current().send_retry_base_seconds
+    cap = conf.current().send_retry_max_seconds
     jitter = random.uniform(0, min(cap, base * (2 ** (max(attempt, 1) - 1))))
     floor = 0.0
     if retry_after is not None:
         floor = min(max(retry_after, 0.0), cap)
     elif quota:
-        floor = min(float(settings.RELAY["SEND_QUOTA_MIN_SECONDS"]), cap)
+        floor = min(conf.current().send_quota_min_seconds, cap)
     if not floor:
         return jitter
     return min(cap, floor + jitter)
@@ -104,7 +104,7 @@ def _wakeup(registration: Registration, job: queue.SendJob) -> Wakeup:
 
 def _send_group(group: list[tuple[Registration, queue.SendJob]]) -> list[SendResult]:
     """Send wake-ups that share an app and a service through one provider, within the app's
-    bulkhead and breaker (relay/providers/limits.py)."""
+    bulkhead and breaker (relay/services/provider_limits.py)."""
     registration = group[0][0]
     try:
         provider = registry.provider_for(registration.app, registration.service)
@@ -173,7 +173,7 @@ def _claim_folded(registration: Registration, job: queue.SendJob) -> queue.SendJ
 
 
 def _retry_cap() -> float:
-    return float(settings.RELAY["SEND_RETRY_MAX_SECONDS"])
+    return conf.current().send_retry_max_seconds
 
 
 def busy_delay(age: float) -> float:
@@ -194,12 +194,12 @@ def _retry(job: queue.SendJob, result: SendResult, now: datetime) -> str:
     attempt = job.attempt
     if code in limits.BUSY_CODES:
         delay = max(busy_delay(age), min(result.retry_after or 0.0, _retry_cap()))
-    elif job.attempt >= int(settings.RELAY["SEND_MAX_ATTEMPTS"]):
+    elif job.attempt >= conf.current().send_max_attempts:
         return f"retries exhausted: {code}"
     else:
         delay = retry_delay(job.attempt, result.retry_after, quota=code in QUOTA_CODES)
         attempt += 1
-    if age + delay >= float(settings.RELAY["SEND_MAX_AGE_SECONDS"]):
+    if age + delay >= conf.current().send_max_age_seconds:
         return f"too old: {code}"
     try:
         queue.enqueue_send(
@@ -264,7 +264,7 @@ def with_database(operation: Callable[[], T]) -> T:
     A server restart kills every pooled connection; a worker thread would otherwise keep its
     dead one (CELERY_DB_REUSE_MAX) and fail every task with "the connection is closed".
     """
-    deadline = time.monotonic() + float(settings.RELAY["DATABASE_RETRY_SECONDS"])
+    deadline = time.monotonic() + conf.current().database_retry_seconds
     pause = 0.05
     while True:
         try:
@@ -323,7 +323,7 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
         lambda: _load_registrations({job.registration_id for job in jobs})
     )
     now = timezone.now()
-    max_age = float(settings.RELAY["SEND_MAX_AGE_SECONDS"])
+    max_age = conf.current().send_max_age_seconds
     items: list[tuple[int, Registration, queue.SendJob]] = []
     results: dict[int, SendResult] = {}
     groups: dict[tuple[int, str], list[tuple[int, Registration, queue.SendJob]]] = {}
@@ -432,7 +432,7 @@ def _write(book: Bookkeeping) -> None:
             )
             lifecycle.died(book.dead, at=now)
         if book.delivered:
-            stale = now - timezone.timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
+            stale = now - timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
             Registration.objects.filter(
                 Q(last_push__isnull=True) | Q(last_push__lt=stale), pk__in=book.delivered
             ).update(last_push=now)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 
+from celery import current_app as celery_app
 from django.core.cache import cache
 from django.db import connection
 
-from pushsite.celery import app as celery_app
 from relay.services import throttling
 
 CACHE_PROBE_KEY = "relay:readyz"

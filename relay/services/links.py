@@ -30,7 +30,7 @@ def record_link_state(
 
 
 def _app_name(component: Component) -> str:
-    return component.app.name if component.app_id is not None else ""
+    return component.app.name if component.app is not None else ""
 
 
 def note_link_state(*, component: Component, state: LinkState) -> None:

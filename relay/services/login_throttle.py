@@ -19,18 +19,19 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from django.conf import settings
 from django.http import HttpRequest
+
+from relay import conf
 
 
 def failure_limit(request: HttpRequest | None = None, credentials: Any = None) -> int:
     """Failed logins of one username from one address before that pair is locked out."""
-    return max(1, int(settings.RELAY.get("LOGIN_MAX_FAILURES", 5)))
+    return max(1, conf.current().login_max_failures)
 
 
 def cool_off(request: HttpRequest | None = None) -> timedelta:
     """How long a lockout lasts, counted from the failure that caused it."""
-    return timedelta(seconds=max(1, int(settings.RELAY.get("LOGIN_LOCKOUT_SECONDS", 900))))
+    return timedelta(seconds=max(1, conf.current().login_lockout_seconds))
 
 
 def client_address(request: HttpRequest) -> str:
@@ -39,7 +40,7 @@ def client_address(request: HttpRequest) -> str:
     With `RELAY_TRUST_X_FORWARDED_FOR=1` the last X-Forwarded-For entry counts: the one our
     own proxy appended (anything left of it came from the client and may be forged).
     """
-    if settings.RELAY.get("TRUST_X_FORWARDED_FOR"):
+    if conf.current().trust_x_forwarded_for:
         forwarded = request.META.get("HTTP_X_FORWARDED_FOR", "")
         entries = [entry.strip() for entry in forwarded.split(",") if entry.strip()]
         if entries:

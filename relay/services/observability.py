@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 
+from celery import current_app as celery_app
 from django.db import DatabaseError
 from django.db.models import Count, Q
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from pushsite.celery import app as celery_app
 from relay.models import App, DeadLetter, Registration
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ def _credential_expiry() -> GaugeMetricFamily:
         "tenant__name", "name", "apns_certificate_not_after"
     )
     for tenant, app, not_after in rows:
+        if not_after is None:  # filtered out above; the type cannot know it
+            continue
         family.add_metric(
             [tenant, app, "apns_certificate"], round((not_after - now).total_seconds())
         )

@@ -33,7 +33,8 @@ from slixmpp.jid import JID, InvalidJID
 
 from relay.crypto import EncryptedTextField
 from relay.models import App, Component, Tenant
-from relay.services import credentials, onboarding
+from relay.services import onboarding
+from relay.services.credentials import validation as credential_validation
 
 
 class ProvisioningError(ValueError):
@@ -202,7 +203,7 @@ def _fcm_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str
         "fcm_service_account": service_account,
         "fcm_endpoint": _text(fcm, "endpoint", f"{where}.fcm", required=False),
     }
-    return _validated(credentials.validate_fcm, values, where)
+    return _validated(credential_validation.validate_fcm, values, where)
 
 
 def _apns_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
@@ -231,8 +232,8 @@ def _apns_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[st
         "apns_endpoint": _text(apns, "endpoint", here, required=False),
         "apns_ca_certificate": _optional_file(apns, "ca_file", here, base_dir),
     }
-    _validated(credentials.validate_apns, values, where)
-    values["apns_certificate_not_after"] = credentials.certificate_not_after(certificate)
+    _validated(credential_validation.validate_apns, values, where)
+    values["apns_certificate_not_after"] = credential_validation.certificate_not_after(certificate)
     return values
 
 
@@ -260,7 +261,7 @@ def _wns_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str
         "wns_token_url": _text(wns, "token_url", here, required=False),
         "wns_channel_hosts": "\n".join(host.strip() for host in hosts),
     }
-    return _validated(credentials.validate_wns, values, where)
+    return _validated(credential_validation.validate_wns, values, where)
 
 
 def _app_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:

@@ -7,9 +7,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from celery import current_app
 from django.utils import timezone
 
 log = logging.getLogger(__name__)
+
+# The send tasks (relay/tasks.py), sent by name: the services never import the entry points.
+SEND_PUSH = "relay.send_push"
+SEND_PUSHES = "relay.send_pushes"
 
 
 class QueueUnavailable(Exception):
@@ -29,7 +34,7 @@ class SendJob:
     pending_subscription_count: int | None = None
     queued: str = ""
     attempt: int = 1
-    # Burst coalescing (relay/services/throttling.py): a delayed send that carries the
+    # Burst coalescing (relay/services/throttling/): a delayed send that carries the
     # publishes folded into it; `folded` counts them once the worker has claimed them.
     coalesced: bool = False
     folded: int = 0
@@ -51,11 +56,9 @@ _FIELD_NAMES = tuple(field.name for field in dataclasses.fields(SendJob))
 
 def enqueue_send(job: SendJob, *, countdown: float | None = None) -> SendJob:
     """Publish the job to the broker; returns only once the broker has it."""
-    from relay.tasks import send_push
-
     job = dataclasses.replace(job, queued=job.queued or timezone.now().isoformat())
     try:
-        send_push.apply_async(args=[job.to_message()], countdown=countdown)
+        current_app.send_task(SEND_PUSH, args=[job.to_message()], countdown=countdown)
     except Exception as error:  # kombu, redis, amqp and socket errors all mean "not queued"
         log.warning("queue.publish_failed", extra={"error_type": type(error).__name__})
         raise QueueUnavailable from error
@@ -69,12 +72,10 @@ def enqueue_sends(jobs: list[SendJob]) -> list[SendJob]:
         return []
     if len(jobs) == 1:
         return [enqueue_send(jobs[0])]
-    from relay.tasks import send_pushes
-
     queued = timezone.now().isoformat()
     jobs = [dataclasses.replace(job, queued=job.queued or queued) for job in jobs]
     try:
-        send_pushes.apply_async(args=[[job.to_message() for job in jobs]])
+        current_app.send_task(SEND_PUSHES, args=[[job.to_message() for job in jobs]])
     except Exception as error:  # kombu, redis, amqp and socket errors all mean "not queued"
         log.warning(
             "queue.publish_failed", extra={"error_type": type(error).__name__, "jobs": len(jobs)}

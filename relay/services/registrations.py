@@ -16,13 +16,14 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import cast
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
-from relay import metrics
+from relay import conf, metrics
+from relay.conf import CountPerSeconds
 from relay.identifiers import account_hash, new_node, new_secret
 from relay.models import Component, DeadLetter, Delivery, Registration, Service, Tenant
 from relay.services import channels, lifecycle, throttling
@@ -78,7 +79,7 @@ def register_device(
     registration passes the limits (`RegistrationRefused`).
     """
     # An address the app can never send to is refused now, not dead-lettered at each push.
-    channels.check_sendable(app_id=component.app_id, service=service, token=token)
+    channels.check_sendable(app_id=cast(int, component.app_id), service=service, token=token)
     device_hash = account_hash(bare_jid, device_id)
     room_hash = account_hash(room_jid, device_id) if room_jid else ""
     domain = _domain_of(bare_jid)
@@ -138,7 +139,10 @@ def unregister_device(
     room_hash = account_hash(room_jid, device_id) if room_jid else ""
     deleted, _ = lifecycle.delete_logged(
         Registration.objects.filter(
-            app_id=component.app_id, service=service, device_hash=device_hash, room_hash=room_hash
+            app_id=cast(int, component.app_id),
+            service=service,
+            device_hash=device_hash,
+            room_hash=room_hash,
         )
     )
     if not deleted:
@@ -149,8 +153,8 @@ def unregister_device(
 # --- limits on new registrations -----------------------------------------------------------
 
 
-def _bucket(setting: str, key: str) -> throttling.Bucket:
-    count, seconds = settings.RELAY[setting]
+def _bucket(rate: CountPerSeconds, key: str) -> throttling.Bucket:
+    count, seconds = rate
     if count <= 0 or seconds <= 0:
         return throttling.Bucket(key, throttling.Limit(rate=0, burst=1))
     return throttling.Bucket(key, throttling.Limit(rate=count / seconds, burst=int(count)))
@@ -160,11 +164,12 @@ def admit_new_registration(*, tenant: Tenant, domain: str) -> None:
     """Raise `RegistrationRefused` when a new registration of an account of `domain` would
     pass the tenant's or the domain's rate limit or cap."""
     # The tenant's creation time keeps a re-created tenant with a reused id off old buckets.
+    config = conf.current()
     tenant_key = f"rg:t:{tenant.pk}:{int(tenant.created.timestamp())}"
     refusal = throttling.take_tokens(
         [
-            _bucket("REGISTRATION_RATE_PER_DOMAIN", f"{tenant_key}:{domain}"),
-            _bucket("REGISTRATION_RATE_PER_TENANT", tenant_key),
+            _bucket(config.registration_rate_per_domain, f"{tenant_key}:{domain}"),
+            _bucket(config.registration_rate_per_tenant, tenant_key),
         ]
     )
     if refusal is not None:
@@ -183,11 +188,10 @@ def admit_new_registration(*, tenant: Tenant, domain: str) -> None:
             refusal.retry_after,
         )
     caps = (
-        ("REGISTRATION_CAP_PER_DOMAIN", domain, "domain", " for one domain"),
-        ("REGISTRATION_CAP_PER_TENANT", None, "tenant", ""),
+        (config.registration_cap_per_domain, domain, "domain", " for one domain"),
+        (config.registration_cap_per_tenant, None, "tenant", ""),
     )
-    for setting, counted_domain, limit, scope in caps:
-        cap = int(settings.RELAY[setting])
+    for cap, counted_domain, limit, scope in caps:
         if cap > 0 and _count(tenant.pk, counted_domain) >= cap:
             log.warning("registration.cap_reached", extra={"tenant": tenant.pk, "limit": limit})
             raise RegistrationRefused(
@@ -252,7 +256,7 @@ def remove_unused_registrations(
     """
     days = older_than_days
     if days is None:
-        days = float(settings.RELAY["REGISTRATION_UNUSED_DAYS"])
+        days = conf.current().registration_unused_days
     if days <= 0:
         return 0
     cutoff = (now or timezone.now()) - timedelta(days=days)

@@ -18,6 +18,8 @@ from datetime import date
 
 from django.conf import settings
 
+from relay import conf
+
 log = logging.getLogger(__name__)
 
 
@@ -54,7 +56,7 @@ def run_reports(
 ) -> int:
     """Run the job (default: yesterday and today, local[*]) and pass its progress lines to
     `output`. Returns the number of lines; raises ReportsFailed when the job fails."""
-    env = {**os.environ, "VAR_DIR": str(settings.VAR_DIR)}
+    env = {**os.environ, "VAR_DIR": str(conf.current().var_dir)}
     lines: list[str] = []
     with subprocess.Popen(
         job_argv(since=since, until=until, master=master, force=force),

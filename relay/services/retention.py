@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db import models
 from django.db.models import Max, Min
 from django.utils import timezone
 
+from relay import conf
 from relay.models import Delivery
 from relay.report_models import PublishTally, RegistrationEvent
 
@@ -47,7 +47,7 @@ def prune_table(
     progress: Callable[[Progress], None] | None = None,
 ) -> int:
     """Delete `model` rows whose `field` is before `cutoff`, one id range at a time."""
-    old = model.objects.filter(**{f"{field}__lt": cutoff})
+    old = model._default_manager.filter(**{f"{field}__lt": cutoff})
     bounds = old.aggregate(low=Min("id"), high=Max("id"))
     low, high = bounds["low"], bounds["high"]
     if low is None:
@@ -75,7 +75,7 @@ def prune(
 ) -> dict[str, int]:
     """Prune every report source older than `days` (default RELAY_RETENTION_DAYS; 0 or less
     keeps everything). Returns the rows deleted per table."""
-    days = settings.RELAY["RETENTION_DAYS"] if days is None else days
+    days = conf.current().retention_days if days is None else days
     if days <= 0:
         return {}
     cutoff = (now or timezone.now()) - timedelta(days=days)

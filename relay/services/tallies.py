@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
@@ -86,7 +86,7 @@ def record_verdicts(
     counts = count_verdicts(publishes, registrations, verdicts, folded=folded)
     if not counts:
         return
-    params: list[object] = []
+    params: list[Any] = []
     for (minute, component_id, provider, domain, verdict), n in counts.items():
         params += [
             connection.ops.adapt_datetimefield_value(minute),

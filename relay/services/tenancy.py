@@ -75,8 +75,8 @@ _CACHE_ATTRIBUTE = "_relay_tenant_scope"
 
 def tenant_ids_for(user: Any) -> frozenset[int] | None:
     """The tenants a user may see: None means all (the operator), an empty set means none."""
-    cached = getattr(user, _CACHE_ATTRIBUTE, False)
-    if cached is not False:
+    cached: frozenset[int] | bool | None = getattr(user, _CACHE_ATTRIBUTE, False)
+    if not isinstance(cached, bool):
         return cached
     scope: frozenset[int] | None
     if not getattr(user, "is_active", False) or not user.is_authenticated:

@@ -7,15 +7,18 @@ numbers only. A push counts as received once its send finished (one `Delivery` r
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
+from typing import Any
 
+from celery import current_app as celery_app
 from django.db.models import Count, Q, QuerySet
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from relay.models import Component, DeadLetter, Delivery, LinkState, Outcome, Service
+from relay.models import Component, DeadLetter, Delivery, LinkState, Service
+from relay.providers.base import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ def _count_expressions(prefix: str = "", since: datetime | None = None) -> dict[
     }
 
 
-def _counts(row: dict[str, int], prefix: str = "") -> Counts:
+def _counts(row: Mapping[str, Any], prefix: str = "") -> Counts:
     return Counts(
         row[f"{prefix}received"],
         row[f"{prefix}delivered"],
@@ -229,12 +232,12 @@ def link_overview(*, tenant_ids: Collection[int] | None) -> LinkOverview:
     components = Component.objects.select_related("tenant", "link").order_by("jid")
     if tenant_ids is not None:
         components = components.filter(tenant_id__in=tenant_ids)
-    components = list(components)
-    pushes = pushes_last_hour(component_ids=[component.pk for component in components])
+    listed = list(components)
+    pushes = pushes_last_hour(component_ids=[component.pk for component in listed])
     overview = LinkOverview(
         states={state: 0 for state in [*LinkState.values, "unknown", "disabled"]}
     )
-    for component in components:
+    for component in listed:
         link = getattr(component, "link", None)
         if not component.enabled:
             state = "disabled"
@@ -269,8 +272,6 @@ def queue_depth() -> int | None:
 
     None when the broker cannot be asked; the health page then says so.
     """
-    from pushsite.celery import app as celery_app
-
     try:
         with celery_app.connection_for_read() as connection:
             connection.ensure_connection(max_retries=1, timeout=2)

@@ -32,6 +32,7 @@ from django.db.models import Q
 from django.utils import timezone
 from slixmpp.jid import JID, InvalidJID
 
+from relay import conf
 from relay.identifiers import new_node, new_secret
 from relay.models import App, Component, Registration, Service, WnsDevice
 from relay.services import channels, lifecycle, queue, test_push
@@ -160,7 +161,7 @@ def validate_channel_uri(*, app: App, channel_uri: object) -> str:
 
 def _resolve_accounts(*, device_id: str, accounts: Sequence[AccountRef]) -> list[_Wanted]:
     """Validate the list; the same account named twice counts once (first position wins)."""
-    limit = int(settings.RELAY["UWPX_MAX_ACCOUNTS"])
+    limit = conf.current().uwpx_max_accounts
     if len(accounts) > limit:
         raise UwpxError(ErrorKind.INVALID, f"accounts: at most {limit} accounts per device.")
     wanted: dict[str, _Wanted] = {}
@@ -224,14 +225,14 @@ def _hit(scope: str, value: str, rate: Sequence[float]) -> None:
 
 def check_address_rate(*, client_address: str) -> None:
     """Per client address; checked before a request body is even parsed."""
-    _hit("address", client_address, settings.RELAY["UWPX_RATE_LIMIT_ADDRESS"])
+    _hit("address", client_address, conf.current().uwpx_rate_limit_address)
 
 
 def check_device_rate(*, device_id: str, action: str) -> None:
     """Per device id, with a tighter budget for test pushes (each one is a real WNS send)."""
-    _hit("device", device_id, settings.RELAY["UWPX_RATE_LIMIT_DEVICE"])
+    _hit("device", device_id, conf.current().uwpx_rate_limit_device)
     if action == "request_test_push":
-        _hit("test-push", device_id, settings.RELAY["UWPX_RATE_LIMIT_TEST_PUSH"])
+        _hit("test-push", device_id, conf.current().uwpx_rate_limit_test_push)
 
 
 # --- lookups ------------------------------------------------------------------------------------
@@ -381,9 +382,9 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
             at=now,
         )
     for item in wanted:
-        reg = existing.get(item.device_hash)
-        if reg is not None and item.domain and reg.account_domain != item.domain:
-            Registration.objects.filter(pk=reg.pk).update(account_domain=item.domain)
+        found = existing.get(item.device_hash)
+        if found is not None and item.domain and found.account_domain != item.domain:
+            Registration.objects.filter(pk=found.pk).update(account_domain=item.domain)
     new = [
         Registration(
             app=app,
@@ -460,7 +461,7 @@ def remove_stale_devices(
     WNS channels expire after 30 days and the client sends a new one when it starts, so a
     device silent for longer has a dead channel anyway. 0 or less disables the removal.
     """
-    days = settings.RELAY["UWPX_STALE_DAYS"] if older_than_days is None else older_than_days
+    days = conf.current().uwpx_stale_days if older_than_days is None else older_than_days
     if days <= 0:
         return 0
     cutoff = (now or timezone.now()) - timedelta(days=days)

@@ -10,7 +10,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from relay.services.credentials import credential_key_status, rotate_credentials
+from relay.services.credentials.keys import credential_key_status, rotate_credentials
 
 
 class Command(BaseCommand):

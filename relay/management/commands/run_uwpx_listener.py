@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import close_old_connections
 
+from relay import conf
 from relay.api import protocol
 
 log = logging.getLogger("relay.uwpx_listener")
@@ -67,7 +67,7 @@ class UwpxListener:
     def __init__(self, config: ListenerConfig, context: ssl.SSLContext) -> None:
         self.config = config
         self.context = context
-        self.max_frame = int(settings.RELAY["UWPX_MAX_BODY_BYTES"])
+        self.max_frame = conf.current().uwpx_max_body_bytes
         self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix="uwpx")
         self._connections = 0
         self._stop = asyncio.Event()
@@ -145,25 +145,27 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--address",
-            default=settings.UWPX_LISTEN_ADDRESS,
+            default=conf.current().uwpx_listen_address,
             help="Address to listen on (UWPX_LISTEN_ADDRESS; default 127.0.0.1).",
         )
         parser.add_argument(
             "--port",
             type=int,
-            default=settings.UWPX_LISTEN_PORT,
+            default=conf.current().uwpx_listen_port,
             help="TCP port (UWPX_LISTEN_PORT; the client dials 1997).",
         )
         parser.add_argument(
             "--app",
-            default=settings.UWPX_LISTEN_APP,
+            default=conf.current().uwpx_listen_app,
             help="The app's public key (UWPX_LISTEN_APP).",
         )
         parser.add_argument(
-            "--cert", default=settings.UWPX_TLS_CERT_FILE, help="PEM chain (UWPX_TLS_CERT_FILE)."
+            "--cert",
+            default=conf.current().uwpx_tls_cert_file,
+            help="PEM chain (UWPX_TLS_CERT_FILE).",
         )
         parser.add_argument(
-            "--key", default=settings.UWPX_TLS_KEY_FILE, help="PEM key (UWPX_TLS_KEY_FILE)."
+            "--key", default=conf.current().uwpx_tls_key_file, help="PEM key (UWPX_TLS_KEY_FILE)."
         )
         parser.add_argument(
             "--idle-seconds",

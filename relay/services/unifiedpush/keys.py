@@ -23,7 +23,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from django.conf import settings
+
+from relay import conf
 
 KID_LENGTH = 8  # characters (6 bytes of a hash, base64url)
 NONCE_LENGTH = 12
@@ -128,4 +129,4 @@ def _ring(entries: tuple[str, ...]) -> KeyRing:
 
 
 def keyring() -> KeyRing:
-    return _ring(tuple(settings.UNIFIEDPUSH_KEYS))
+    return _ring(tuple(conf.current().unifiedpush_keys))

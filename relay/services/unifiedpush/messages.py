@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from django.conf import settings
 from django.db import DatabaseError
 
+from relay import conf
 from relay.models import Component, UnifiedPushUrgency
 from relay.services.unifiedpush import store, tokens
 from relay.services.unifiedpush.keys import keyring
@@ -126,15 +126,15 @@ def _read_policy(component_id: int) -> Policy | None:
 
 
 policies = _PolicyCache()
-_endpoint_buckets = TokenBuckets(*settings.RELAY["UNIFIEDPUSH_ENDPOINT_RATE"])
-_tenant_buckets = TokenBuckets(*settings.RELAY["UNIFIEDPUSH_TENANT_RATE"])
+_endpoint_buckets = TokenBuckets(*conf.current().unifiedpush_endpoint_rate)
+_tenant_buckets = TokenBuckets(*conf.current().unifiedpush_tenant_rate)
 
 
 def reset_limits() -> None:
     """Forget every bucket and cached policy (tests, and settings changed at run time)."""
     global _endpoint_buckets, _tenant_buckets
-    _endpoint_buckets = TokenBuckets(*settings.RELAY["UNIFIEDPUSH_ENDPOINT_RATE"])
-    _tenant_buckets = TokenBuckets(*settings.RELAY["UNIFIEDPUSH_TENANT_RATE"])
+    _endpoint_buckets = TokenBuckets(*conf.current().unifiedpush_endpoint_rate)
+    _tenant_buckets = TokenBuckets(*conf.current().unifiedpush_tenant_rate)
     policies.clear()
 
 
@@ -155,9 +155,9 @@ def open_endpoint(token: str, *, now: float) -> tuple[tokens.Endpoint, Policy]:
 
 def parse_ttl(value: str | None) -> int:
     """RFC 8030 TTL (1*DIGIT), capped; no TTL gets the default."""
-    maximum = int(settings.RELAY["UNIFIEDPUSH_MAX_TTL_SECONDS"])
+    maximum = conf.current().unifiedpush_max_ttl_seconds
     if value is None or value.strip() == "":
-        return min(maximum, int(settings.RELAY["UNIFIEDPUSH_DEFAULT_TTL_SECONDS"]))
+        return min(maximum, conf.current().unifiedpush_default_ttl_seconds)
     value = value.strip()
     if not value.isascii() or not value.isdigit() or len(value) > 12:
         raise PushRefused(400, "TTL must be a number of seconds")
@@ -325,7 +325,7 @@ def store_message(
     )
     try:
         message_id = store.store(
-            message, max_per_endpoint=int(settings.RELAY["UNIFIEDPUSH_MAX_STORED_PER_ENDPOINT"])
+            message, max_per_endpoint=conf.current().unifiedpush_max_stored_per_endpoint
         )
     except DatabaseError:
         raise PushRefused(503, "storage unavailable", retry_after=5) from None

@@ -16,7 +16,7 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 
-from relay.admin import OperatorOnlyAdmin
+from relay.admin.base import OperatorOnlyAdmin
 from relay.admin_charts import daily_chart
 from relay.report_models import (
     ReportAnomaly,

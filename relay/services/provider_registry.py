@@ -12,10 +12,13 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import TypeVar
 
+from relay import conf
 from relay.crypto import CredentialKeyError
 from relay.models import App, Service
 from relay.providers import payloads
 from relay.providers.base import PushProvider
+from relay.services.credentials import configs
+from relay.services.credentials.stored import CredentialsMissing
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,8 +38,6 @@ def _configured(app: App, prefix: str, build: Callable[[], PushProvider]) -> Pus
     `<P>_NOT_CONFIGURED`: nothing stored; `<P>_CREDENTIALS_UNREADABLE`: no configured
     CREDENTIAL_KEYS entry decrypts them; `<P>_BAD_CREDENTIALS`: they do not validate.
     """
-    from relay.services.credentials import CredentialsMissing
-
     try:
         return build()
     except CredentialsMissing as error:
@@ -60,33 +61,41 @@ def _payload(prefix: str, parse: Callable[[object], T], app: App) -> T:
         raise NotConfigured(f"{prefix}_BAD_PAYLOAD_OPTIONS") from error
 
 
+def _timeout() -> float:
+    """Every provider's HTTP timeout (RELAY_PROVIDER_TIMEOUT_SECONDS)."""
+    return conf.current().provider_timeout_seconds
+
+
 def _build_fcm(app: App) -> PushProvider:
     from relay.providers.fcm import FcmProvider
-    from relay.services import credentials
 
     payload = _payload("FCM", payloads.fcm_payload, app)
     return _configured(
-        app, "FCM", lambda: FcmProvider(credentials.fcm_config(app=app), payload=payload)
+        app,
+        "FCM",
+        lambda: FcmProvider(configs.fcm_config(app=app), timeout=_timeout(), payload=payload),
     )
 
 
 def _build_apns(app: App) -> PushProvider:
     from relay.providers.apns import ApnsProvider
-    from relay.services import credentials
 
     payload = _payload("APNS", payloads.apns_payload, app)
     return _configured(
-        app, "APNS", lambda: ApnsProvider(credentials.apns_config(app=app), payload=payload)
+        app,
+        "APNS",
+        lambda: ApnsProvider(configs.apns_config(app=app), timeout=_timeout(), payload=payload),
     )
 
 
 def _build_wns(app: App) -> PushProvider:
     from relay.providers.wns import WnsProvider
-    from relay.services import credentials
 
     payload = _payload("WNS", payloads.wns_payload, app)
     return _configured(
-        app, "WNS", lambda: WnsProvider(credentials.wns_config(app=app), payload=payload)
+        app,
+        "WNS",
+        lambda: WnsProvider(configs.wns_config(app=app), timeout=_timeout(), payload=payload),
     )
 
 

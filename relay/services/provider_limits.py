@@ -38,10 +38,8 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from django.conf import settings
-
-from relay.models import Outcome
-from relay.providers.base import PushProvider, SendResult, Wakeup, send_each
+from relay import conf
+from relay.providers.base import Outcome, PushProvider, SendResult, Wakeup, send_each
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +96,7 @@ def set_worker_threads(count: int) -> None:
 
 def max_threads_per_app() -> int:
     """Threads one app may hold at once in this process; 0: no limit."""
-    configured = int(settings.RELAY["MAX_THREADS_PER_APP"])
+    configured = conf.current().max_threads_per_app
     if configured > 0:
         return configured
     if _worker_threads > 1:
@@ -174,7 +172,7 @@ def _take_thread(app: int) -> tuple[object | None, float | None]:
             _freed.wait(min(deadline - now, SLOW_SECONDS - oldest))
     if oldest < SLOW_SECONDS:
         return None, None
-    timeout = float(settings.RELAY["PROVIDER_TIMEOUT_SECONDS"])
+    timeout = conf.current().provider_timeout_seconds
     return None, max(SLOW_SECONDS, timeout - oldest) + random.uniform(0, timeout)
 
 
@@ -188,7 +186,7 @@ def _admit(target: Target) -> tuple[bool, bool, float | None]:
         if breaker.open_until > now:
             # Spread over the next cool-down: a stuck app's deferred pushes come back as a
             # steady trickle, not all at once when the breaker half-opens.
-            cool_down = float(settings.RELAY["BREAKER_SECONDS"])
+            cool_down = conf.current().breaker_seconds
             return False, False, breaker.open_until - now + random.uniform(0, cool_down)
         if breaker.probing:
             return False, False, None
@@ -202,8 +200,8 @@ def _learn(target: Target, results: list[SendResult], probe: bool) -> None:
         r.error_code not in STALL_CODES and r.error_code not in _NOT_SENT_CODES for r in results
     )
     stalls = sum(1 for r in results if r.error_code in STALL_CODES)
-    cool_down = float(settings.RELAY["BREAKER_SECONDS"])
-    threshold = int(settings.RELAY["BREAKER_STALLS"])
+    cool_down = conf.current().breaker_seconds
+    threshold = conf.current().breaker_stalls
     with _lock:
         breaker = _breakers.setdefault(target, _Breaker())
         was_open = bool(breaker.open_until)
@@ -232,7 +230,7 @@ def _learn(target: Target, results: list[SendResult], probe: bool) -> None:
 
 
 def _semaphore(key: Hashable) -> threading.BoundedSemaphore | None:
-    cap = int(settings.RELAY["MAX_IN_FLIGHT_PER_PROVIDER"])
+    cap = conf.current().max_in_flight_per_provider
     if cap <= 0:
         return None
     with _lock:
@@ -253,7 +251,7 @@ def _send_slotted(provider: PushProvider, wakeups: list[Wakeup], key: Hashable) 
         remaining = wakeups[len(results) :]
         taken = len(remaining)
         if slot is not None:
-            if not slot.acquire(timeout=float(settings.RELAY["IN_FLIGHT_WAIT_SECONDS"])):
+            if not slot.acquire(timeout=conf.current().in_flight_wait_seconds):
                 log.warning("delivery.in_flight_cap", extra={"target": str(key)})
                 results.extend([SendResult(Outcome.RETRY_LATER, IN_FLIGHT_CAP)] * taken)
                 break
