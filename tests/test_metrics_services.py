@@ -23,8 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relay import metrics
 from relay.models import App, DeadLetter, Outcome, Registration, Service
-from relay.providers import limits, registry
 from relay.services import dead_letters, delivery, queue, throttling
+from relay.services import provider_limits as limits
+from relay.services import provider_registry as registry
 from relay.services.publishing import Publish, Verdict, accept_publish
 from relay.services.registrations import register_device, unregister_device
 from tests.fakes.fcm import FakeFcm
