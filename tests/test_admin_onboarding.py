@@ -462,7 +462,10 @@ def test_health_page_and_probes(client, operator):
     anonymous = Client()
     assert anonymous.get("/healthz").json() == {"status": "ok"}
     ready = anonymous.get("/readyz")
-    assert ready.status_code == 200 and ready.json()["checks"] == {"database": True, "broker": True}
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {
+        "database": True, "broker": True, "throttling": True, "cache": True
+    }  # fmt: skip
 
 
 def test_production_settings_pass_the_deploy_check(tmp_path):
