@@ -108,6 +108,24 @@ def test_only_the_phone_itself_can_answer_and_a_failure_holds_it_back():
     assert len(relay.recipients) == 1 and not relay.in_flight
 
 
+def test_a_stale_read_of_a_delivered_message_does_not_send_it_again():
+    """A sweep or flush that read the row before its delete comes back after it."""
+
+    async def scenario():
+        relay, wire = UnifiedPushRelay(no_database), Wire()
+        relay.link_up(1, "up.example.org", wire)
+        message = stored(10)
+        relay.consider(message)
+        iq_id = ET.fromstring(wire.sent[0]).get("id")
+        assert relay.on_iq_answer(1, answer(iq_id, JID))  # delivered
+        for _ in range(5):  # the finish window passes, the row is deleted
+            await asyncio.sleep(0.03)
+        relay.consider(message, flush=True)  # what the stale read returned
+        return wire.sent
+
+    assert len(run(scenario())) == 1
+
+
 def test_answers_to_unknown_ids_are_left_to_slixmpp():
     relay = UnifiedPushRelay(no_database)
     assert relay.on_iq_answer(1, answer("someone-elses", JID)) is False

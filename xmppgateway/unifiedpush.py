@@ -62,6 +62,9 @@ MAX_IN_FLIGHT = 5000  # pushes awaiting an answer, all links; beyond, the sweep 
 LATE_ANSWERS = 10_000  # timed-out pushes whose late `result` still counts
 FINISH_WINDOW = 0.02  # seconds a delivered message waits to be deleted with others
 FINISH_BATCH = 500
+# A finished message stays known this long after its row is gone: a sweep or flush that read
+# it before the delete may still come back with it, and must not send it again.
+FORGET_FINISHED_SECONDS = 120.0
 SWEEP_LIMIT = 1000
 EXPIRY_SECONDS = 5.0
 
@@ -420,7 +423,9 @@ class UnifiedPushRelay:
             for message_id in ids:
                 self._finish_later(message_id, outcome)
             return
-        self.known.difference_update(ids)
+        asyncio.get_running_loop().call_later(
+            FORGET_FINISHED_SECONDS, self.known.difference_update, ids
+        )
 
     async def _drain_finishes(self) -> None:
         self._flush_finishes()
