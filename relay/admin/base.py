@@ -134,6 +134,19 @@ LIST_LOOKUP_TERMS = frozenset(
 )
 
 
+class ReadOnlyAdmin:
+    """Records of what happened: shown and exported, never added, edited or deleted here."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
 class ListLookupsOnly(admin.ModelAdmin):
     """Allows only the URL lookups the list's own filters, date bar and links need.
 

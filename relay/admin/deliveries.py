@@ -19,6 +19,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from relay.admin.base import (
+    ReadOnlyAdmin,
     TenantScopedAdmin,
 )
 from relay.models import (
@@ -59,7 +60,7 @@ def provider_code(obj: Delivery | DeadLetter) -> str:
 
 
 @admin.register(Delivery)
-class DeliveryAdmin(TenantScopedAdmin):
+class DeliveryAdmin(ReadOnlyAdmin, TenantScopedAdmin):
     list_display = (
         "received",
         "app",
@@ -85,15 +86,6 @@ class DeliveryAdmin(TenantScopedAdmin):
     # A registration's page links to its deliveries.
     extra_lookup_fields = ("registration",)
     actions = ("export_csv",)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     @admin.display(description="registration", ordering="registration__node")
     def registration_link(self, obj: Delivery) -> SafeString | str:

@@ -9,14 +9,12 @@ from elsewhere).
 
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 
-from relay.admin.base import OperatorOnlyAdmin
+from relay.admin.base import OperatorOnlyAdmin, ReadOnlyAdmin
 from relay.admin_charts import daily_chart
 from relay.report_models import (
     ReportAnomaly,
@@ -61,21 +59,12 @@ def urls(site: admin.AdminSite) -> list[URLPattern]:
     ]
 
 
-class ReportAdmin(OperatorOnlyAdmin):
+class ReportAdmin(ReadOnlyAdmin, OperatorOnlyAdmin):
     """The raw aggregates, read-only, for the operator's staff (they hold every tenant's
     figures and the totals); a tenant's own staff see theirs on the reports page."""
 
     list_per_page = 100
     date_hierarchy = "day"
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 @admin.register(ReportUsage)

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.admin import GroupAdmin, UserAdmin
 from django.contrib.auth.models import Group, User
-from django.http import (
-    HttpRequest,
-)
 
 from relay.admin.base import (
     OperatorOnlyAdmin,
+    ReadOnlyAdmin,
 )
 from relay.models import (
     TenantStaffGroup,
@@ -30,7 +26,7 @@ class TenantStaffGroupAdmin(OperatorOnlyAdmin):
 
 
 @admin.register(LogEntry)
-class AuditLogAdmin(OperatorOnlyAdmin):
+class AuditLogAdmin(ReadOnlyAdmin, OperatorOnlyAdmin):
     """Who changed what, when: every admin change, credentials included (names, not values)."""
 
     list_display = ("action_time", "user", "content_type", "object_repr", "action", "message")
@@ -38,15 +34,6 @@ class AuditLogAdmin(OperatorOnlyAdmin):
     search_fields = ("object_repr", "user__username")
     date_hierarchy = "action_time"
     list_select_related = ("user", "content_type")
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     @admin.display(description="action", ordering="action_flag")
     def action(self, obj: LogEntry) -> str:

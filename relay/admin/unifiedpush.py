@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin
-from django.http import (
-    HttpRequest,
-)
 
 from relay.admin.base import (
+    ReadOnlyAdmin,
     TenantScopedAdmin,
 )
 from relay.models import (
@@ -18,7 +14,7 @@ from relay.models import (
 
 
 @admin.register(UnifiedPushDelivery)
-class UnifiedPushDeliveryAdmin(TenantScopedAdmin):
+class UnifiedPushDeliveryAdmin(ReadOnlyAdmin, TenantScopedAdmin):
     """One row per UnifiedPush message and how it ended; no JID, no body, no endpoint."""
 
     list_display = ("received", "component", "outcome", "urgency", "size", "ttl", "attempts",
@@ -32,12 +28,3 @@ class UnifiedPushDeliveryAdmin(TenantScopedAdmin):
     )
     list_select_related = ("component",)
     date_hierarchy = "received"
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
