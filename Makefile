@@ -64,11 +64,16 @@ lint: $(STAMP)
 SUITE_POSTGRES = VAR_DIR=$$(mktemp -d) $(WITH_SERVICES) $(BIN)/python -m pytest $(PYTEST_ARGS)
 SUITE_DEFAULTS = env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_STATE_URL \
 	VAR_DIR=$$(mktemp -d) $(BIN)/python -m pytest -m defaults $(PYTEST_ARGS)
+# Servers named in TEST_DATABASE_URL / TEST_BROKER_URL would be shared by the two slices (one
+# test database, one broker queue): then the PostgreSQL suite runs as one job.
+ifeq ($(TEST_DATABASE_URL)$(TEST_BROKER_URL),)
+POSTGRES_JOBS = --job postgres-1 '$(SUITE_POSTGRES) --shard 1/2' \
+	--job postgres-2 '$(SUITE_POSTGRES) --shard 2/2'
+else
+POSTGRES_JOBS = --job postgres '$(SUITE_POSTGRES)'
+endif
 test: system-deps $(STAMP) lint
-	$(BIN)/python -m tests.support.parallel \
-		--job postgres-1 '$(SUITE_POSTGRES) --shard 1/2' \
-		--job postgres-2 '$(SUITE_POSTGRES) --shard 2/2' \
-		--job defaults '$(SUITE_DEFAULTS)'
+	$(BIN)/python -m tests.support.parallel $(POSTGRES_JOBS) --job defaults '$(SUITE_DEFAULTS)'
 
 test-postgres: $(STAMP)
 	$(SUITE_POSTGRES)
