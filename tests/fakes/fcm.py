@@ -350,7 +350,12 @@ class FakeFcm:
                 writers = list(self._writers)
             for writer in writers:
                 writer.transport.abort()
-            await asyncio.sleep(0)
+            # Connections still inside a scripted delay: end them here, not as "Task was
+            # destroyed but it is pending!" when the loop closes.
+            serving = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in serving:
+                task.cancel()
+            await asyncio.gather(*serving, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=5)
         loop.call_soon_threadsafe(loop.stop)
@@ -411,8 +416,8 @@ class FakeFcm:
                 await writer.drain()
                 if not keep_alive:
                     break
-        except ConnectionError:
-            pass
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # cut by the client, or by stop(): either way this connection is over
         finally:
             with self._cond:
                 self._writers.discard(writer)
