@@ -64,16 +64,19 @@ lint: $(STAMP)
 SUITE_POSTGRES = VAR_DIR=$$(mktemp -d) $(WITH_SERVICES) $(BIN)/python -m pytest $(PYTEST_ARGS)
 SUITE_DEFAULTS = env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_STATE_URL \
 	VAR_DIR=$$(mktemp -d) $(BIN)/python -m pytest -m defaults $(PYTEST_ARGS)
-# Servers named in TEST_DATABASE_URL / TEST_BROKER_URL would be shared by the two slices (one
-# test database, one broker queue): then the PostgreSQL suite runs as one job.
+# Servers named in TEST_DATABASE_URL / TEST_BROKER_URL would be shared by the slices (one test
+# database, one broker queue): then the PostgreSQL suite runs as one job.
+SLICES := 3
 ifeq ($(TEST_DATABASE_URL)$(TEST_BROKER_URL),)
-POSTGRES_JOBS = --job postgres-1 '$(SUITE_POSTGRES) --shard 1/2' \
-	--job postgres-2 '$(SUITE_POSTGRES) --shard 2/2'
+POSTGRES_JOBS = $(foreach k,$(shell seq $(SLICES)),--job postgres-$(k) \
+	'TEST_DURATIONS_OUT=var/test-logs/durations-postgres-$(k).json $(SUITE_POSTGRES) --shard $(k)/$(SLICES)')
 else
-POSTGRES_JOBS = --job postgres '$(SUITE_POSTGRES)'
+POSTGRES_JOBS = --job postgres 'TEST_DURATIONS_OUT=var/test-logs/durations-postgres.json $(SUITE_POSTGRES)'
 endif
-test: system-deps $(STAMP) lint
-	$(BIN)/python -m tests.support.parallel $(POSTGRES_JOBS) --job defaults '$(SUITE_DEFAULTS)'
+# Lint runs beside the suites: one more job, not minutes before them.
+test: system-deps $(STAMP)
+	$(BIN)/python -m tests.support.parallel --job lint '$(MAKE) --no-print-directory lint' \
+		$(POSTGRES_JOBS) --job defaults '$(SUITE_DEFAULTS)'
 
 test-postgres: $(STAMP)
 	$(SUITE_POSTGRES)
@@ -82,9 +85,9 @@ test-postgres: $(STAMP)
 test-defaults: $(STAMP)
 	$(SUITE_DEFAULTS)
 
-# Re-record how long each test module takes (tests/durations.json), which the slices balance on.
+# Take the modules' times of the last `make test` into tests/durations.json (the slices balance on it).
 test-durations: $(STAMP)
-	$(SUITE_POSTGRES) --durations=0 -q | $(BIN)/python -m tests.support.shards record
+	$(BIN)/python -m tests.support.shards merge var/test-logs/durations-postgres*.json
 
 # Benchmarks print their figures and write them to bench/results/*.json.
 bench: $(STAMP)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import Counter
 
 import pytest
 
-from tests.support.shards import deal, parse_shard, record
+from tests.support.shards import deal, merge, parse_shard, recorded_durations
 
 
 def test_every_module_lands_in_exactly_one_slice_and_the_slices_balance():
@@ -27,15 +28,22 @@ def test_a_bad_shard_is_a_usage_error(value):
         parse_shard(value)
 
 
-def test_durations_are_summed_per_module(tmp_path):
-    lines = [
-        "12.50s call     tests/test_a.py::test_one",
-        "0.50s setup    tests/test_a.py::test_one",
-        "3.00s teardown tests/test_b.py::test_two[prosody]",
-        "872 passed in 1974.03s",
-    ]
-    path = tmp_path / "durations.json"
-    assert record(lines, path) == {"tests/test_a.py": 13.0, "tests/test_b.py": 3.0}
+def test_durations_of_the_slices_are_merged(tmp_path):
+    first, second = tmp_path / "1.json", tmp_path / "2.json"
+    first.write_text('{"tests/test_a.py": 13.0}')
+    second.write_text('{"tests/test_b.py": 3.0}')
+    into = tmp_path / "durations.json"
+    assert merge([first, second], into) == {"tests/test_a.py": 13.0, "tests/test_b.py": 3.0}
+    assert recorded_durations(into) == {"tests/test_a.py": 13.0, "tests/test_b.py": 3.0}
+
+
+def test_a_slice_writes_how_long_its_modules_took(tmp_path):
+    out = tmp_path / "slice.json"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "tests/test_shards.py", "-k", "bad_shard"],
+        env={**os.environ, "TEST_DURATIONS_OUT": str(out)}, check=True, capture_output=True,
+    )  # fmt: skip
+    assert list(recorded_durations(out)) == ["tests/test_shards.py"]
 
 
 def test_the_two_slices_collect_the_whole_suite():

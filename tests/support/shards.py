@@ -7,7 +7,8 @@ share a database, a broker queue or a port. A module stays whole so its module- 
 session-scoped servers (an XMPP server, a Spark session) start once per slice, not per test.
 
 Modules are dealt longest first to the slice with the least time so far, by the seconds each
-took in a recorded run (tests/durations.json, refreshed with `make test-durations`); a module
+took in a recorded run (tests/durations.json: each `make test` job writes its modules' times
+to var/test-logs/, and `make test-durations` merges them in); a module
 not recorded yet counts as the median. Every module lands in exactly one slice, so the slices
 together run the whole suite.
 """
@@ -15,6 +16,7 @@ together run the whole suite.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -74,30 +76,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = kept
 
 
-def record(lines: list[str], path: Path = DURATIONS) -> dict[str, float]:
-    """Sum pytest's `--durations=0` report per module and write it to tests/durations.json."""
-    totals: dict[str, float] = {}
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 3 and parts[0].endswith("s") and "::" in parts[2]:
-            try:
-                seconds = float(parts[0][:-1])
-            except ValueError:
-                continue
-            module = parts[2].split("::", 1)[0]
-            totals[module] = totals.get(module, 0.0) + seconds
-    if not totals:
-        raise SystemExit("no `--durations` lines in the input: nothing recorded")
-    rounded = {module: round(seconds, 1) for module, seconds in sorted(totals.items())}
-    path.write_text(json.dumps(rounded, indent=1) + "\n")
-    return rounded
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _seconds[module] = _seconds.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With TEST_DURATIONS_OUT set (`make test` sets it per job), write how long each module
+    took, for `make test-durations` to merge into tests/durations.json."""
+    out = os.environ.get("TEST_DURATIONS_OUT")
+    if out and _seconds:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        rounded = {module: round(seconds, 1) for module, seconds in sorted(_seconds.items())}
+        Path(out).write_text(json.dumps(rounded, indent=1) + "\n")
+
+
+def merge(paths: list[Path], into: Path = DURATIONS) -> dict[str, float]:
+    """The modules' times from the slices of one run, as tests/durations.json."""
+    merged: dict[str, float] = {}
+    for path in paths:
+        merged.update(recorded_durations(path))
+    if not merged:
+        raise SystemExit("no recorded durations given: run `make test` first")
+    into.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
+    return merged
 
 
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] != ["record"]:
-        raise SystemExit("usage: pytest --durations=0 ... | python -m tests.support.shards record")
-    text = sys.stdin.read()
-    sys.stdout.write(text)
-    print(f"recorded {len(record(text.splitlines()))} modules in {DURATIONS}")
+    if len(sys.argv) < 3 or sys.argv[1] != "merge":
+        raise SystemExit("usage: python -m tests.support.shards merge DURATIONS.json...")
+    print(f"recorded {len(merge([Path(p) for p in sys.argv[2:]]))} modules in {DURATIONS}")
