@@ -66,7 +66,7 @@ SUITE_DEFAULTS = env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_
 	VAR_DIR=$$(mktemp -d) $(BIN)/python -m pytest -m defaults $(PYTEST_ARGS)
 # Servers named in TEST_DATABASE_URL / TEST_BROKER_URL would be shared by the slices (one test
 # database, one broker queue): then the PostgreSQL suite runs as one job.
-SLICES := 3
+SLICES := 2
 ifeq ($(TEST_DATABASE_URL)$(TEST_BROKER_URL),)
 POSTGRES_JOBS = $(foreach k,$(shell seq $(SLICES)),--job postgres-$(k) \
 	'TEST_DURATIONS_OUT=var/test-logs/durations-postgres-$(k).json $(SUITE_POSTGRES) --shard $(k)/$(SLICES)')

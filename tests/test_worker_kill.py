@@ -124,9 +124,13 @@ def test_sigkill_mid_batch_loses_no_push(scenario, component):
             fcm.wait_for_requests(2, timeout=60)  # sends are in flight (the fake holds them)
             assert Delivery.objects.count() < PUSHES
             if pool == "threads":
+                open_at_kill = fcm.open_connections()
                 workers[0].kill()
                 assert workers[0].process.returncode == -signal.SIGKILL
                 killed_at = time.monotonic()
+                # What the worker wrote just before it died is recorded once the fake has read
+                # its connections to the end (slow under load).
+                fcm.wait_closed(open_at_kill, timeout=30)
                 sent_before_kill = set(push_ids_at_fake(fcm))
                 # Redis gives unacknowledged messages back once their visibility timeout passed;
                 # a new worker restores them when it starts polling.
