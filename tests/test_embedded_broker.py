@@ -34,7 +34,8 @@ from tests.fakes.fcm import FakeFcm
 from tests.support.processes import ROOT, ServiceProcess, service_env, wait_until, worker_argv
 from tests.test_worker_kill import children_of, prepare_kill_run, push_ids_at_fake
 
-pytestmark = [pytest.mark.defaults]
+# The file-backed broker is the embedded defaults' own: the PostgreSQL suite has Redis instead.
+pytestmark = [pytest.mark.defaults, pytest.mark.embedded]
 
 QUEUE = "jobs"
 

@@ -21,7 +21,9 @@ from tests.support import broker
 from tests.support.component_server import FakeXmppServer, error_of
 from tests.support.processes import start_gateway, wait_until
 
-pytestmark = [pytest.mark.defaults, pytest.mark.django_db(transaction=True)]
+# On the embedded defaults, the tests marked `defaults` below stand for the module: what the
+# others test does not depend on the database or the broker, and each starts a gateway.
+pytestmark = [pytest.mark.django_db(transaction=True)]
 
 DATA = Path(__file__).parent / "data"
 COMPONENT = "push.localhost"
@@ -161,6 +163,7 @@ def test_disco_items_list_the_commands(lab):
     } <= nodes
 
 
+@pytest.mark.defaults
 def test_the_seed_request_of_conversations_is_completed_with_node_and_secret(lab):
     seed = (DATA / "conversations-register-push-fcm.xml").read_text()
     seed = seed.replace('to="p2.siacs.eu"', f'to="{COMPONENT}"')
@@ -209,6 +212,7 @@ def test_command_errors(lab):
     assert Registration.objects.count() == 1
 
 
+@pytest.mark.defaults
 def test_register_a_room_and_unregister(lab):
     fields = {"token": "t", "android-id": "d", "muc": "room@conference.localhost"}
     reply = lab.command("register-push-apns", fields)
@@ -222,6 +226,7 @@ def test_register_a_room_and_unregister(lab):
     assert not Registration.objects.filter(pk=registration.pk).exists()
 
 
+@pytest.mark.defaults
 def test_publish_answers(lab):
     assert lab.publish().get("type") == "result"
     assert len(broker.queued_jobs()) == 1
@@ -285,6 +290,7 @@ def test_malformed_xml_from_the_server_makes_the_gateway_reconnect(lab):
     assert lab.publish().get("type") == "result"
 
 
+@pytest.mark.defaults
 def test_lost_link_is_reestablished(lab):
     lab.server.drop_connection()
     lab.server.wait_connected(count=2)

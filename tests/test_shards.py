@@ -62,3 +62,22 @@ def test_the_two_slices_collect_the_whole_suite():
     modules = [{test.split("::", 1)[0] for test in part} for part in (first, second)]
     assert modules[0] and modules[1] and not modules[0] & modules[1]
     assert first + second == whole
+
+
+def test_the_parallel_summary_names_every_failed_test_and_fails(tmp_path):
+    """CI keeps only the end of the output: the summary must name what failed."""
+    script = (
+        "echo 'FAILED tests/test_x.py::test_y - AssertionError: boom'; "
+        "echo 'ERROR tests/test_z.py::test_w - OSError'; exit 1"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.parallel", "--job", "bad", script]
+        + ["--job", "good", "true"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1
+    summary = done.stdout.split("== summary ==", 1)[1]
+    assert "bad: FAILED tests/test_x.py::test_y - AssertionError: boom" in summary
+    assert "bad: ERROR tests/test_z.py::test_w - OSError" in summary
+    assert "good: ok" in summary
+    assert (tmp_path / "var/test-logs/bad.log").read_text().count("FAILED") == 1

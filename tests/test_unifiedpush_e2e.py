@@ -33,7 +33,9 @@ from tests.support.processes import start_gateway, start_web, wait_until
 from tests.support.unifiedpush_phone import Phone
 from tests.support.xmpp_client import new_username, register_account
 
-pytestmark = [pytest.mark.defaults, pytest.mark.django_db(transaction=True)]
+# On the embedded defaults, the tests marked `defaults` below stand for the module: what the
+# others test does not depend on the database or the broker, and each starts a gateway.
+pytestmark = [pytest.mark.django_db(transaction=True)]
 
 COMPONENT = ("up.localhost", "s3cr3t")
 GATEWAY_ENV = {
@@ -137,6 +139,7 @@ def lab(xmpp_server_factory):
         assert '"POST /push/… HTTP/1.1" 201' in lab.web.log_text()  # the access log, redacted
 
 
+@pytest.mark.defaults
 def test_webpush_through_prosody_reaches_the_phone_decryptable(lab):
     phone = lab.phone()
     endpoint = phone.register_endpoint(COMPONENT[0])
@@ -162,6 +165,7 @@ def test_webpush_through_prosody_reaches_the_phone_decryptable(lab):
     assert record.urgency == 3 and record.size == len(push.body) and record.ttl == 600
 
 
+@pytest.mark.defaults
 def test_an_offline_phone_gets_everything_in_order_when_it_is_back(lab):
     phone = lab.phone()
     endpoint = phone.register_endpoint(COMPONENT[0])
@@ -315,6 +319,7 @@ def test_key_rotation_keeps_old_endpoints_until_the_old_key_goes(lab):
         wait_until(lambda: lab.delivered() == 2)
 
 
+@pytest.mark.defaults
 def test_the_matrix_gateway_relays_and_rejects(lab):
     phone = lab.phone()
     live = phone.register_endpoint(COMPONENT[0])

@@ -31,7 +31,9 @@ from relay.services.unifiedpush import UP_NS, messages
 from tests.support.component_server import FakeXmppServer, error_of
 from tests.support.processes import start_gateway, wait_until
 
-pytestmark = [pytest.mark.defaults, pytest.mark.django_db(transaction=True)]
+# On the embedded defaults, the tests marked `defaults` below stand for the module: what the
+# others test does not depend on the database or the broker, and each starts a gateway.
+pytestmark = [pytest.mark.django_db(transaction=True)]
 
 COMPONENT = "up.localhost"
 SECRET = "s3cr3t"
@@ -171,6 +173,7 @@ def bodies() -> list[bytes]:
 # --- registering
 
 
+@pytest.mark.defaults
 def test_register_answers_an_endpoint_and_an_iso_expiration(lab):
     reply = lab.register()
     assert reply.get("type") == "result", ET.tostring(reply)
@@ -239,6 +242,7 @@ def test_a_unifiedpush_only_component_refuses_p2_and_says_what_it_serves(lab):
 # --- relaying
 
 
+@pytest.mark.defaults
 def test_a_post_becomes_a_push_iq_to_the_full_jid_and_result_deletes_it(lab):
     endpoint = lab.endpoint()
     response = lab.post(endpoint, b"\x00binary\xffbody")
@@ -268,6 +272,7 @@ def test_a_refusing_phone_revokes_the_endpoint(lab, condition):
     assert UnifiedPushDelivery.objects.get().outcome == "revoked"
 
 
+@pytest.mark.defaults
 def test_a_temporary_error_keeps_the_message_and_retries_in_order(lab):
     endpoint = lab.endpoint()
     lab.post(endpoint, b"first")
@@ -373,6 +378,7 @@ def test_ttl_zero_is_tried_once_and_never_kept(lab):
     assert not UnifiedPushMessage.objects.exists()
 
 
+@pytest.mark.defaults
 def test_stored_messages_survive_a_gateway_restart_and_arrive_in_order(lab):
     endpoint = lab.endpoint()
     code = lab.gateway.stop()

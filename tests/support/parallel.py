@@ -6,13 +6,16 @@ Why: `make test` runs slices of the PostgreSQL suite and the embedded-defaults s
 same time (see tests/support/shards.py), and one failure must never hide another. Each line a
 job prints is shown as it comes, prefixed with the job's name; the job's whole output is also
 kept in var/test-logs/NAME.log; at the end a summary gives every job's exit status, its wall
-time and its last line (pytest's tally), and the exit status is non-zero if any job failed.
+time and its last line (pytest's tally), then every test a job reported as failed, in error or
+retried (pytest's short summary lines), so a failure shows even where only the end of the
+output is kept; the exit status is non-zero if any job failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -21,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LOGS = Path("var/test-logs")
+# pytest's short test summary: "FAILED tests/x.py::test - why", "ERROR tests/x.py::test - why",
+# and "RERUN tests/x.py::test" for a test that failed once (pytest-rerunfailures).
+FAILURE = re.compile(r"^(FAILED|ERROR|RERUN) \S+")
 
 
 @dataclass
@@ -29,6 +35,7 @@ class Job:
     command: str
     started: float = field(default_factory=time.monotonic)
     last_line: str = ""
+    failures: list[str] = field(default_factory=list)
     status: int | None = None
     seconds: float = 0.0
 
@@ -42,6 +49,8 @@ def follow(job: Job, process: subprocess.Popen[bytes], lock: threading.Lock) -> 
             line = raw.decode(errors="replace").rstrip("\n")
             if line.strip():
                 job.last_line = line.strip()
+            if FAILURE.match(line):
+                job.failures.append(line.strip())
             with lock:
                 sys.stdout.write(f"[{job.name}] {line}\n")
                 sys.stdout.flush()
@@ -69,6 +78,9 @@ def run(jobs: list[Job]) -> int:
     for job in jobs:
         verdict = "ok" if job.status == 0 else f"FAILED (exit {job.status})"
         print(f"{job.name}: {verdict} in {job.seconds:.0f} s -- {job.last_line}")
+    for job in jobs:
+        for failure in job.failures:
+            print(f"{job.name}: {failure[:400]}")
     failed = [job.name for job in jobs if job.status != 0]
     if failed:
         print(f"failed: {', '.join(failed)} (whole output in {LOGS}/)")

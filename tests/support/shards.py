@@ -62,6 +62,7 @@ def deal(modules: list[str], count: int, durations: dict[str, float]) -> list[li
     return slices
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: deal only the modules that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     value = config.getoption("--shard")
     if value is None:
