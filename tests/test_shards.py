@@ -70,9 +70,9 @@ def test_the_parallel_summary_names_every_failed_test_and_fails(tmp_path):
         "echo 'FAILED tests/test_x.py::test_y - AssertionError: boom'; "
         "echo 'ERROR tests/test_z.py::test_w - OSError'; exit 1"
     )
+    jobs = ["--job", "bad", script, "--job", "good", "true"]
     done = subprocess.run(
-        [sys.executable, "-m", "tests.support.parallel", "--job", "bad", script]
-        + ["--job", "good", "true"],
+        [sys.executable, "-m", "tests.support.parallel", *jobs],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 1
