@@ -64,7 +64,7 @@ lint: $(STAMP)
 # A failed test gets one more try (the two cores are saturated by the jobs side by side); its
 # RERUN line is in the summary, so a flaky test is seen, and one that fails twice fails.
 RETRY := --reruns 1 --reruns-delay 1 -rR
-SUITE_POSTGRES = VAR_DIR=$$(mktemp -d) $(WITH_SERVICES) $(BIN)/python -m pytest -m 'not embedded' $(RETRY) $(PYTEST_ARGS)
+SUITE_POSTGRES = VAR_DIR=$$(mktemp -d) $(WITH_SERVICES) $(BIN)/python -m pytest -m "not embedded" $(RETRY) $(PYTEST_ARGS)
 SUITE_DEFAULTS = env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_STATE_URL \
 	VAR_DIR=$$(mktemp -d) $(BIN)/python -m pytest -m defaults $(RETRY) $(PYTEST_ARGS)
 # Servers named in TEST_DATABASE_URL / TEST_BROKER_URL would be shared by the slices (one test
