@@ -49,11 +49,21 @@ def _record(rows: Sequence[dict[str, Any]], kind: str, at: datetime) -> None:
         )
 
 
-def created(registrations: Sequence[Registration], *, at: datetime | None = None) -> None:
-    """New registrations (saved, so they have ids): each is one more live registration."""
+def created(
+    registrations: Sequence[Registration],
+    *,
+    at: datetime | None = None,
+    tenant_id: int | None = None,
+) -> None:
+    """New registrations (saved, so they have ids): each is one more live registration.
+
+    `tenant_id`, when the caller knows it (all of one app), saves looking it up."""
     if not registrations:
         return
-    tenants = _tenants_of(registration.app_id for registration in registrations)
+    if tenant_id is not None:
+        tenants = {registration.app_id: tenant_id for registration in registrations}
+    else:
+        tenants = _tenants_of(registration.app_id for registration in registrations)
     _record(
         [
             {
