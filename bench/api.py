@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import shlex
 import socket
 import subprocess
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import percentiles, prepare_database, wait_http, write_results  # noqa: E402
 
 BENCH_DB = "api_bench"
+OK = re.compile(rb'"status": ?1')
 
 
 def free_port() -> int:
@@ -168,7 +170,7 @@ async def run_phase(base_url: str, requests: list[list[dict]], concurrency: int)
                     started = time.perf_counter()
                     status, answer = await connection.post(path, body)
                     latencies.setdefault(action, []).append(time.perf_counter() - started)
-                    if status != 200 or b'"status": 1' not in answer and b'"status":1' not in answer:
+                    if status != 200 or not OK.search(answer):
                         key = f"{action}:{status}"
                         errors[key] = errors.get(key, 0) + 1
                         if len(errors) == 1 and errors[key] == 1:
@@ -215,7 +217,19 @@ def measured(
         for pid in web_workers:
             out = ROOT / "bench" / "results" / f"api-{name}-{pid}.folded"
             out.parent.mkdir(parents=True, exist_ok=True)
-            argv = [*shlex.split(profile), "record", "-p", str(pid), "-o", str(out), "-r", "200", "-f", "raw", "--gil"]
+            argv = [
+                *shlex.split(profile),
+                "record",
+                "-p",
+                str(pid),
+                "-o",
+                str(out),
+                "-r",
+                "200",
+                "-f",
+                "raw",
+                "--gil",
+            ]
             spies.append(subprocess.Popen([*argv, "--nonblocking"], stdout=subprocess.DEVNULL))
         time.sleep(1.0)
     load_before = os.getloadavg()

@@ -192,34 +192,46 @@ def _limit_key(scope: str, value: str) -> str:
     return f"uwpx-rl:{scope}:{digest[:32]}"
 
 
-def _redis_client(backend: RedisCache) -> Any:
-    """One client per cache backend object (Django's builds one per call: two per request).
+# Each counter: a fresh window starts at 0 with its expiry, then one more. One command for all
+# the counters of a request, atomic, and a counter never lives without its expiry.
+_COUNT_SCRIPT = """
+local counts = {}
+for i, key in ipairs(KEYS) do
+  redis.call('SET', key, 0, 'EX', ARGV[i], 'NX')
+  counts[i] = redis.call('INCR', key)
+end
+return counts
+"""
 
-    Backends are per thread (django.core.cache.caches), and so is the client kept on them;
-    a settings change makes new backends, and so new clients."""
-    client = getattr(backend, "_uwpx_client", None)
-    if client is None:
-        client = backend._cache.get_client(write=True)
-        backend._uwpx_client = client  # type: ignore[attr-defined]
-    return client
+
+def _redis_counter(backend: RedisCache) -> Any:
+    """The counting script on one client per cache backend object (Django's cache builds a
+    client per call: add and incr made two per request, and a round trip each).
+
+    Backends are per thread (django.core.cache.caches), and so is what is kept on them; a
+    settings change makes new backends, and so new clients."""
+    script = getattr(backend, "_uwpx_counter", None)
+    if script is None:
+        script = backend._cache.get_client(write=True).register_script(_COUNT_SCRIPT)
+        backend._uwpx_counter = script  # type: ignore[attr-defined]
+    return script
 
 
 def _count(keys: Sequence[tuple[str, int]]) -> list[int]:
     """Add one to each (key, timeout) counter and return the new counts.
 
-    On Redis, one round trip for all of them: MULTI, SET NX EX (a fresh window starts at 0
-    with its expiry) and INCR, EXEC, so a counter never lives without its expiry. The keys
-    and values are the ones Django's cache.add/incr use (same prefix and raw integers), so
-    every process counts in the same place. Other backends: cache.add, then cache.incr.
+    On Redis, one round trip (the script above). The keys and values are the ones Django's
+    cache.add/incr use (same prefix, raw integers), so every process counts in the same place.
+    Other backends (files, memory): cache.add, then cache.incr.
     """
     backend = caches["default"]
     if isinstance(backend, RedisCache):
-        pipe = _redis_client(backend).pipeline(transaction=True)
-        for key, timeout in keys:
-            full = backend.make_and_validate_key(key)
-            pipe.set(full, 0, ex=timeout, nx=True)
-            pipe.incr(full)
-        return [int(value) for value in pipe.execute()[1::2]]
+        script = _redis_counter(backend)
+        counts = script(
+            keys=[backend.make_and_validate_key(key) for key, _ in keys],
+            args=[timeout for _, timeout in keys],
+        )
+        return [int(value) for value in counts]
     counts = []
     for key, timeout in keys:
         backend.add(key, 0, timeout=timeout)
@@ -372,16 +384,34 @@ _TAKEN_SQL = (
 )
 
 
-def _fetchone(sql: str, params: Sequence[object]) -> tuple[Any, ...] | None:
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return cursor.fetchone()
-
-
 def _fetchall(sql: str, params: Sequence[object]) -> list[tuple[Any, ...]]:
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return cursor.fetchall()
+    """Run one statement on Django's connection (in its transaction, if any): its rows.
+
+    On PostgreSQL as a prepared statement of the psycopg connection underneath: Django binds
+    parameters on the client, so the server parsed and planned every statement of every
+    request again. Errors come out as Django's (IntegrityError and the rest), as from any
+    query, and the connection is health-checked first, as Django's cursor() does."""
+    if connection.vendor != "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchall() if cursor.description is not None else []
+    import psycopg
+
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    raw = connection.connection
+    if raw.prepare_threshold is None:
+        # Django turns preparing off (None), which also ignores prepare=True; a threshold no
+        # query reaches keeps Django's own queries unprepared and lets these be prepared.
+        raw.prepare_threshold = 2**31
+    with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
+        cursor.execute(sql, params, prepare=True)
+        return cursor.fetchall() if cursor.description is not None else []
+
+
+def _fetchone(sql: str, params: Sequence[object]) -> tuple[Any, ...] | None:
+    rows = _fetchall(sql, params)
+    return rows[0] if rows else None
 
 
 def _insert_registrations(new: list[Registration], *, at: object) -> None:
@@ -541,11 +571,10 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
                 at=now,
             )
         else:
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    _RENEW_SQL + _placeholders(len(kept)),
-                    [component_id, channel_uri, at, *(mine.id for mine in kept)],
-                )
+            _fetchall(
+                _RENEW_SQL + _placeholders(len(kept)),
+                [component_id, channel_uri, at, *(mine.id for mine in kept)],
+            )
     for item in wanted:
         found = existing.get(item.device_hash)
         if found is not None and item.domain and found.account_domain != item.domain:
@@ -573,10 +602,8 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
     answers = []
     for item in wanted:
         mine = existing.get(item.device_hash)
-        node, secret = (mine.node, mine.secret) if mine else (
-            created[item.device_hash].node,
-            created[item.device_hash].secret,
-        )
+        reg = mine or created[item.device_hash]
+        node, secret = reg.node, reg.secret
         answers.append(
             AccountAnswer(
                 bare_jid=item.ref.bare_jid,
