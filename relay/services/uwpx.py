@@ -356,9 +356,9 @@ _TOUCH_DEVICE_SQL = (
     f"UPDATE {_DEVICES} SET updated = %s WHERE app_id = %s AND device_id_hash = %s"
     f" RETURNING id, channel_uri, device_id_hash,"
     f" (SELECT c.id FROM {_COMPONENTS} c WHERE c.app_id = %s AND c.enabled = %s"
-    f"  ORDER BY c.id LIMIT 1),"
+    f"  ORDER BY c.id LIMIT 1) AS push_component_id,"
     f" (SELECT c.jid FROM {_COMPONENTS} c WHERE c.app_id = %s AND c.enabled = %s"
-    f"  ORDER BY c.id LIMIT 1)"
+    f"  ORDER BY c.id LIMIT 1) AS push_component_jid"
 )
 _SET_CHANNEL_SQL = (
     f"UPDATE {_DEVICES} SET channel_uri = %s, updated = %s"
@@ -368,9 +368,18 @@ _MINE_SQL = (
     f"SELECT id, device_hash, node, secret, account_domain, token, dead_since, component_id"
     f" FROM {_REGISTRATIONS} WHERE wns_device_id = %s"
 )
+# PostgreSQL: touching the device and reading its registrations in one statement.
+_TOUCH_AND_READ_SQL = (
+    f"WITH d AS ({_TOUCH_DEVICE_SQL})"
+    f" SELECT d.*, r.id, r.device_hash, r.node, r.secret, r.account_domain, r.token,"
+    f" r.dead_since, r.component_id"
+    f" FROM d LEFT JOIN {_REGISTRATIONS} r ON r.wns_device_id = d.id"
+)
+# Renews only the rows still as they were read (same token, alive): a renewal without a
+# lifecycle event; the others (changed meanwhile by a worker) go through lifecycle.
 _RENEW_SQL = (
     f"UPDATE {_REGISTRATIONS} SET component_id = %s, token = %s, dead_since = NULL,"
-    f" updated = %s WHERE id IN "
+    f" updated = %s WHERE token = %s AND dead_since IS NULL AND id IN {{ids}} RETURNING id"
 )
 _INSERT_REGISTRATIONS_SQL = (
     f"INSERT INTO {_REGISTRATIONS} (app_id, component_id, service, wns_device_id, device_hash,"
@@ -509,16 +518,23 @@ def set_accounts(*, app: App, device_id: str, accounts: Sequence[AccountRef]) ->
 
 
 def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> AccountsAnswer:
-    """In one transaction: the device (locked and touched), its registrations (locked), and
-    only what changed written back. A re-registration that changes nothing is three
-    statements: touch the device, read its registrations, renew them."""
+    """In one transaction: the device (locked and touched by one UPDATE), its registrations,
+    and only what changed written back. A re-registration that changes nothing is two
+    statements on PostgreSQL (touch the device and read its registrations, renew them),
+    three on SQLite."""
     digest = device_id_hash(device_id)
     now = timezone.now()
     at = _db_time(now)
-    row = _fetchone(_TOUCH_DEVICE_SQL, [at, app.pk, digest, app.pk, True, app.pk, True])
-    if row is None or not hmac.compare_digest(row[2], digest):
+    touch = [at, app.pk, digest, app.pk, True, app.pk, True]
+    if connection.vendor == "postgresql":
+        rows = _fetchall(_TOUCH_AND_READ_SQL, touch)
+        mine_rows = [r[5:] for r in rows if r[5] is not None]
+    else:
+        rows = _fetchall(_TOUCH_DEVICE_SQL, touch)
+        mine_rows = _fetchall(_MINE_SQL, [rows[0][0]]) if rows else []
+    if not rows or not hmac.compare_digest(rows[0][2], digest):
         raise UwpxError(ErrorKind.UNKNOWN_DEVICE, UNKNOWN_DEVICE)
-    device_pk, channel_uri, _, component_id, component_jid = row
+    device_pk, channel_uri, _, component_id, component_jid = rows[0][:5]
     if wanted and component_id is None:
         raise UwpxError(ErrorKind.UNAVAILABLE, "This app has no push component configured yet.")
     if wanted and not channels.wns_channel_sendable(app=app, channel_uri=channel_uri):
@@ -530,12 +546,10 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
             + channels.why_not_sendable(app=app, channel_uri=channel_uri)
             + " Send set_channel_uri again with a channel URI the app may send to.",
         )
-    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     existing = {
         mine.device_hash: mine
         for mine in (
-            _Mine(r[0], r[1], r[2], r[3], r[4], r[5], r[6] is not None, r[7])
-            for r in _fetchall(_MINE_SQL + lock, [device_pk])
+            _Mine(r[0], r[1], r[2], r[3], r[4], r[5], r[6] is not None, r[7]) for r in mine_rows
         )
     }
     fresh = [item.device_hash for item in wanted if item.device_hash not in existing]
@@ -560,20 +574,26 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
         lifecycle.delete_logged(Registration.objects.filter(pk__in=gone), at=now)
     kept = [existing[item.device_hash] for item in wanted if item.device_hash in existing]
     if kept:
-        if any(mine.token != channel_uri or mine.dead for mine in kept):
-            # A renewal the reports must see: through the lifecycle log.
+        quiet = [mine.id for mine in kept if mine.token == channel_uri and not mine.dead]
+        renewed: set[int] = set()
+        if quiet:
+            renewed = {
+                r[0]
+                for r in _fetchall(
+                    _RENEW_SQL.format(ids=_placeholders(len(quiet))),
+                    [component_id, channel_uri, at, channel_uri, *quiet],
+                )
+            }
+        logged = [mine.id for mine in kept if mine.id not in renewed]
+        if logged:
+            # A new token or a revival: a renewal the reports must see.
             lifecycle.renew_logged(
-                Registration.objects.filter(pk__in=[mine.id for mine in kept]),
+                Registration.objects.filter(pk__in=logged),
                 component_id=component_id,
                 token=channel_uri,
                 dead_since=None,
                 updated=now,
                 at=now,
-            )
-        else:
-            _fetchall(
-                _RENEW_SQL + _placeholders(len(kept)),
-                [component_id, channel_uri, at, *(mine.id for mine in kept)],
             )
     for item in wanted:
         found = existing.get(item.device_hash)
