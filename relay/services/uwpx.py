@@ -393,7 +393,7 @@ _TAKEN_SQL = (
 )
 
 
-def _fetchall(sql: str, params: Sequence[object]) -> list[tuple[Any, ...]]:
+def _fetchall(sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
     """Run one statement on Django's connection (in its transaction, if any): its rows.
 
     On PostgreSQL as a prepared statement of the psycopg connection underneath: Django binds
@@ -418,7 +418,7 @@ def _fetchall(sql: str, params: Sequence[object]) -> list[tuple[Any, ...]]:
         return cursor.fetchall() if cursor.description is not None else []
 
 
-def _fetchone(sql: str, params: Sequence[object]) -> tuple[Any, ...] | None:
+def _fetchone(sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
     rows = _fetchall(sql, params)
     return rows[0] if rows else None
 
