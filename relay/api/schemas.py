@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from ninja import Schema
-from pydantic import ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import PydanticCustomError
 
@@ -23,7 +22,9 @@ DEVICE_ID_DESCRIPTION = (
 )
 
 
-class _Strict(Schema):
+class _Strict(BaseModel):
+    # Plain pydantic models, not ninja's Schema: its wrapping validator (for reading ORM
+    # objects, which these never are) was the larger part of validating a message.
     model_config = ConfigDict(extra="forbid", strict=True)
 
 

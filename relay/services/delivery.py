@@ -395,9 +395,7 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
 
 def _count_retry(provider: str, code: str) -> None:
     metrics.SENDS.labels(provider, Outcome.RETRY_LATER.value).inc()
-    kind = metrics.retry_kind(
-        code, busy=code in limits.BUSY_CODES, quota=code in QUOTA_CODES
-    )
+    kind = metrics.retry_kind(code, busy=code in limits.BUSY_CODES, quota=code in QUOTA_CODES)
     metrics.RETRIES.labels(provider, kind).inc()
 
 

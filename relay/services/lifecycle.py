@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -29,31 +29,44 @@ def _tenants_of(app_ids: Iterable[int]) -> dict[int, int]:
     return dict(App.objects.filter(pk__in=set(app_ids)).values_list("id", "tenant_id"))
 
 
+_EVENTS = RegistrationEvent._meta.db_table
+_EVENT_SQL = (
+    f"INSERT INTO {_EVENTS} (at, tenant_id, app_id, provider, registration_id, kind, live_change)"
+    " VALUES "
+)
+
+
 def _record(rows: Sequence[dict[str, Any]], kind: str, at: datetime) -> None:
     """One insert for the events; `rows` carry id, app_id, app__tenant_id, service and the
-    event's live_change."""
-    if rows:
-        RegistrationEvent.objects.bulk_create(
-            [
-                RegistrationEvent(
-                    at=at,
-                    tenant_id=row["app__tenant_id"],
-                    app_id=row["app_id"],
-                    provider=row["service"],
-                    registration_id=row["id"],
-                    kind=kind,
-                    live_change=row["live_change"],
-                )
-                for row in rows
-            ]
-        )
+    event's live_change. A plain multi-row INSERT: the ORM's bulk_create cost about a quarter
+    of a Windows registration's CPU."""
+    if not rows:
+        return
+    when = connection.ops.adapt_datetimefield_value(at)
+    params: list[Any] = []
+    for row in rows:
+        params += [when, row["app__tenant_id"], row["app_id"], row["service"], row["id"]]
+        params += [str(kind), row["live_change"]]
+    values = ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * len(rows))
+    with connection.cursor() as cursor:
+        cursor.execute(_EVENT_SQL + values, params)
 
 
-def created(registrations: Sequence[Registration], *, at: datetime | None = None) -> None:
-    """New registrations (saved, so they have ids): each is one more live registration."""
+def created(
+    registrations: Sequence[Registration],
+    *,
+    at: datetime | None = None,
+    tenant_id: int | None = None,
+) -> None:
+    """New registrations (saved, so they have ids): each is one more live registration.
+
+    `tenant_id`, when the caller knows it (all of one app), saves looking it up."""
     if not registrations:
         return
-    tenants = _tenants_of(registration.app_id for registration in registrations)
+    if tenant_id is not None:
+        tenants = {registration.app_id: tenant_id for registration in registrations}
+    else:
+        tenants = _tenants_of(registration.app_id for registration in registrations)
     _record(
         [
             {

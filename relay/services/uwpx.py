@@ -24,17 +24,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
-from django.core.cache import cache
-from django.db import IntegrityError, transaction
-from django.db.models import Q
+from django.core.cache import caches
+from django.core.cache.backends.redis import RedisCache
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 from slixmpp.jid import JID, InvalidJID
 
 from relay import conf
 from relay.identifiers import new_node, new_secret
-from relay.models import App, Component, Registration, Service, WnsDevice
+from relay.models import App, Component, Registration, Service, Tenant, WnsDevice
 from relay.services import channels, lifecycle, queue, test_push
 
 log = logging.getLogger(__name__)
@@ -191,69 +192,125 @@ def _limit_key(scope: str, value: str) -> str:
     return f"uwpx-rl:{scope}:{digest[:32]}"
 
 
-def _hit(scope: str, value: str, rate: Sequence[float]) -> None:
-    """Count one request in a fixed window of the shared cache; UwpxError when over the limit.
+# Each counter: a fresh window starts at 0 with its expiry, then one more. One command for all
+# the counters of a request, atomic, and a counter never lives without its expiry.
+_COUNT_SCRIPT = """
+local counts = {}
+for i, key in ipairs(KEYS) do
+  redis.call('SET', key, 0, 'EX', ARGV[i], 'NX')
+  counts[i] = redis.call('INCR', key)
+end
+return counts
+"""
+
+
+def _redis_counter(backend: RedisCache) -> Any:
+    """The counting script on one client per cache backend object (Django's cache builds a
+    client per call: add and incr made two per request, and a round trip each).
+
+    Backends are per thread (django.core.cache.caches), and so is what is kept on them; a
+    settings change makes new backends, and so new clients."""
+    script = getattr(backend, "_uwpx_counter", None)
+    if script is None:
+        script = backend._cache.get_client(write=True).register_script(_COUNT_SCRIPT)
+        backend._uwpx_counter = script  # type: ignore[attr-defined]
+    return script
+
+
+def _count(keys: Sequence[tuple[str, int]]) -> list[int]:
+    """Add one to each (key, timeout) counter and return the new counts.
+
+    On Redis, one round trip (the script above). The keys and values are the ones Django's
+    cache.add/incr use (same prefix, raw integers), so every process counts in the same place.
+    Other backends (files, memory): cache.add, then cache.incr.
+    """
+    backend = caches["default"]
+    if isinstance(backend, RedisCache):
+        script = _redis_counter(backend)
+        counts = script(
+            keys=[backend.make_and_validate_key(key) for key, _ in keys],
+            args=[timeout for _, timeout in keys],
+        )
+        return [int(value) for value in counts]
+    counts = []
+    for key, timeout in keys:
+        backend.add(key, 0, timeout=timeout)
+        try:
+            counts.append(backend.incr(key))
+        except ValueError:  # expired between add and incr
+            backend.set(key, 1, timeout=timeout)
+            counts.append(1)
+    return counts
+
+
+def _hit(*limits: tuple[str, str, Sequence[float]]) -> None:
+    """Count one request in a fixed window of the shared cache for each (scope, value, rate);
+    UwpxError when any of them is over its limit.
 
     Fails open when the cache is unreachable: the limits protect the service, they must not
     take registration down with them.
     """
-    limit, seconds = int(rate[0]), float(rate[1])
-    if limit <= 0 or seconds <= 0:
-        return
     now = time.time()
-    window = int(now // seconds)
-    key = f"{_limit_key(scope, value)}:{window}"
+    counted: list[tuple[str, int, float, int]] = []
+    keys: list[tuple[str, int]] = []
+    for scope, value, rate in limits:
+        limit, seconds = int(rate[0]), float(rate[1])
+        if limit <= 0 or seconds <= 0:
+            continue
+        window = int(now // seconds)
+        counted.append((scope, limit, seconds, window))
+        keys.append((f"{_limit_key(scope, value)}:{window}", int(seconds) + 1))
+    if not keys:
+        return
     try:
-        cache.add(key, 0, timeout=int(seconds) + 1)
-        try:
-            hits = cache.incr(key)
-        except ValueError:  # expired between add and incr
-            cache.set(key, 1, timeout=int(seconds) + 1)
-            hits = 1
+        hits = _count(keys)
     except Exception as error:  # any cache backend error: count nothing
         log.warning("uwpx.rate_limit_unavailable", extra={"error_type": type(error).__name__})
         return
-    if hits > limit:
-        retry_after = max(1.0, (window + 1) * seconds - now)
-        log.info("uwpx.rate_limited", extra={"scope": scope})
-        raise UwpxError(
-            ErrorKind.RATE_LIMITED,
-            f"Too many requests; try again in {int(retry_after + 0.999)} seconds.",
-            retry_after=retry_after,
-        )
+    for (scope, limit, seconds, window), count in zip(counted, hits, strict=True):
+        if count > limit:
+            retry_after = max(1.0, (window + 1) * seconds - now)
+            log.info("uwpx.rate_limited", extra={"scope": scope})
+            raise UwpxError(
+                ErrorKind.RATE_LIMITED,
+                f"Too many requests; try again in {int(retry_after + 0.999)} seconds.",
+                retry_after=retry_after,
+            )
 
 
 def check_address_rate(*, client_address: str) -> None:
     """Per client address; checked before a request body is even parsed."""
-    _hit("address", client_address, conf.current().uwpx_rate_limit_address)
+    _hit(("address", client_address, conf.current().uwpx_rate_limit_address))
 
 
 def check_device_rate(*, device_id: str, action: str) -> None:
     """Per device id, with a tighter budget for test pushes (each one is a real WNS send)."""
-    _hit("device", device_id, conf.current().uwpx_rate_limit_device)
+    settings_ = conf.current()
     if action == "request_test_push":
-        _hit("test-push", device_id, conf.current().uwpx_rate_limit_test_push)
+        _hit(
+            ("device", device_id, settings_.uwpx_rate_limit_device),
+            ("test-push", device_id, settings_.uwpx_rate_limit_test_push),
+        )
+    else:
+        _hit(("device", device_id, settings_.uwpx_rate_limit_device))
 
 
 # --- lookups ------------------------------------------------------------------------------------
 
 
 def app_for_key(*, public_key: str) -> App:
-    """The app named in the URL (or configured for the listener); refuses a suspended tenant."""
-    app = None
+    """The app named in the URL (or configured for the listener); refuses a suspended tenant.
+
+    One plain statement: it runs for every request, and the ORM's query building cost more
+    than the query (the credentials are not read: each one would be decrypted)."""
+    row = None
     if isinstance(public_key, str) and _APP_KEY.fullmatch(public_key):
-        app = (
-            App.objects.select_related("tenant")
-            # Not the credentials: nothing here needs them, and each one would be decrypted.
-            .only("id", "tenant_id", "public_key", "wns_channel_hosts", "tenant__suspended")
-            .filter(public_key=public_key)
-            .first()
-        )
-    if app is None:
+        row = _fetchone(_APP_SQL, [public_key])
+    if row is None:
         raise UwpxError(ErrorKind.UNKNOWN_APP, "Unknown app key.")
-    if app.tenant.suspended:
+    if row[4]:
         raise UwpxError(ErrorKind.UNAVAILABLE, "This push service is suspended; try again later.")
-    return app
+    return App.from_db(connection.alias, list(_APP_FIELDS), list(row[:4]))
 
 
 def push_component(*, app: App) -> Component | None:
@@ -272,6 +329,136 @@ def _device(*, app: App, device_id: str, for_update: bool = False) -> WnsDevice:
     return device
 
 
+# --- plain SQL for the two hot requests ------------------------------------------------------
+# set_channel_uri and set_accounts run for every Windows client start. Written with the ORM
+# they cost about a dozen statements, each built anew (several ms of CPU on a loaded
+# machine); here they are a few fixed statements that both PostgreSQL and SQLite run
+# (RETURNING and ON CONFLICT: SQLite 3.35+). The rarer changes (accounts removed, a token
+# renewed, a domain learnt) still go through the ORM and relay.services.lifecycle.
+
+_APP_FIELDS = ("id", "tenant_id", "public_key", "wns_channel_hosts")
+_APP_SQL = (
+    f"SELECT a.id, a.tenant_id, a.public_key, a.wns_channel_hosts, t.suspended"
+    f" FROM {App._meta.db_table} a JOIN {Tenant._meta.db_table} t ON t.id = a.tenant_id"
+    f" WHERE a.public_key = %s"
+)
+_DEVICES = WnsDevice._meta.db_table
+_REGISTRATIONS = Registration._meta.db_table
+_COMPONENTS = Component._meta.db_table
+# Creates the device unless it exists (then nothing: no row returned).
+_NEW_DEVICE_SQL = (
+    f"INSERT INTO {_DEVICES} (app_id, device_id_hash, channel_uri, created, updated)"
+    f" VALUES (%s, %s, %s, %s, %s) ON CONFLICT (app_id, device_id_hash) DO NOTHING RETURNING id"
+)
+# Locks the device row until commit (an UPDATE does, on both databases) and records the sign
+# of life; the push component comes along in the same statement.
+_TOUCH_DEVICE_SQL = (
+    f"UPDATE {_DEVICES} SET updated = %s WHERE app_id = %s AND device_id_hash = %s"
+    f" RETURNING id, channel_uri, device_id_hash,"
+    f" (SELECT c.id FROM {_COMPONENTS} c WHERE c.app_id = %s AND c.enabled = %s"
+    f"  ORDER BY c.id LIMIT 1) AS push_component_id,"
+    f" (SELECT c.jid FROM {_COMPONENTS} c WHERE c.app_id = %s AND c.enabled = %s"
+    f"  ORDER BY c.id LIMIT 1) AS push_component_jid"
+)
+_SET_CHANNEL_SQL = (
+    f"UPDATE {_DEVICES} SET channel_uri = %s, updated = %s"
+    f" WHERE app_id = %s AND device_id_hash = %s RETURNING id"
+)
+_MINE_SQL = (
+    f"SELECT id, device_hash, node, secret, account_domain, token, dead_since, component_id"
+    f" FROM {_REGISTRATIONS} WHERE wns_device_id = %s"
+)
+# PostgreSQL: touching the device and reading its registrations in one statement.
+_TOUCH_AND_READ_SQL = (
+    f"WITH d AS ({_TOUCH_DEVICE_SQL})"
+    f" SELECT d.*, r.id, r.device_hash, r.node, r.secret, r.account_domain, r.token,"
+    f" r.dead_since, r.component_id"
+    f" FROM d LEFT JOIN {_REGISTRATIONS} r ON r.wns_device_id = d.id"
+)
+# Renews only the rows still as they were read (same token, alive): a renewal without a
+# lifecycle event; the others (changed meanwhile by a worker) go through lifecycle.
+_RENEW_SQL = (
+    f"UPDATE {_REGISTRATIONS} SET component_id = %s, token = %s, dead_since = NULL,"
+    f" updated = %s WHERE token = %s AND dead_since IS NULL AND id IN {{ids}} RETURNING id"
+)
+_INSERT_REGISTRATIONS_SQL = (
+    f"INSERT INTO {_REGISTRATIONS} (app_id, component_id, service, wns_device_id, device_hash,"
+    f" room_hash, account_domain, token, node, secret, created, updated) VALUES {{rows}}"
+    f" RETURNING device_hash, id"
+)
+_TAKEN_SQL = (
+    f"SELECT device_hash FROM {_REGISTRATIONS} WHERE app_id = %s AND service = %s"
+    f" AND room_hash = '' AND (wns_device_id IS NULL OR wns_device_id <> %s)"
+    f" AND device_hash IN "
+)
+
+
+def _fetchall(sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Run one statement on Django's connection (in its transaction, if any): its rows.
+
+    On PostgreSQL as a prepared statement of the psycopg connection underneath: Django binds
+    parameters on the client, so the server parsed and planned every statement of every
+    request again. Errors come out as Django's (IntegrityError and the rest), as from any
+    query, and the connection is health-checked first, as Django's cursor() does."""
+    if connection.vendor != "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchall() if cursor.description is not None else []
+    import psycopg
+
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    raw = connection.connection
+    if raw.prepare_threshold is None:
+        # Django turns preparing off (None), which also ignores prepare=True; a threshold no
+        # query reaches keeps Django's own queries unprepared and lets these be prepared.
+        raw.prepare_threshold = 2**31
+    with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
+        cursor.execute(sql, params, prepare=True)
+        return cursor.fetchall() if cursor.description is not None else []
+
+
+def _fetchone(sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
+    rows = _fetchall(sql, params)
+    return rows[0] if rows else None
+
+
+def _insert_registrations(new: list[Registration], *, at: object) -> None:
+    """One multi-row INSERT (the ORM's bulk_create built it at several times the cost)."""
+    params: list[object] = []
+    for reg in new:
+        params += [reg.app_id, reg.component_id, reg.service, reg.wns_device_id]
+        params += [reg.device_hash, reg.room_hash, reg.account_domain, reg.token]
+        params += [reg.node, reg.secret, at, at]
+    rows = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(new))
+    ids = dict(_fetchall(_INSERT_REGISTRATIONS_SQL.format(rows=rows), params))
+    for reg in new:
+        reg.pk = ids[reg.device_hash]
+        reg._state.adding = False
+
+
+def _placeholders(count: int) -> str:
+    return "(" + ", ".join(["%s"] * count) + ")"
+
+
+def _db_time(value: datetime) -> object:
+    return connection.ops.adapt_datetimefield_value(value)
+
+
+@dataclass(slots=True)
+class _Mine:
+    """One of the device's registrations as read under the device's lock."""
+
+    id: int
+    device_hash: str
+    node: str
+    secret: str
+    account_domain: str
+    token: str
+    dead: bool
+    component_id: int
+
+
 # --- the three actions ------------------------------------------------------------------------
 
 
@@ -280,19 +467,23 @@ def set_channel_uri(*, app: App, device_id: str, channel_uri: str) -> None:
 
     A new channel revives registrations that WNS had declared dead: the old channel died, this
     one is fresh. Sent again unchanged, it still counts as the device's sign of life.
+
+    A new device is one statement, committed on its own; a known one is a transaction that
+    updates the device and renews its registrations together.
     """
     validate_device_id(device_id)
     validate_channel_uri(app=app, channel_uri=channel_uri)
     digest = device_id_hash(device_id)
     now = timezone.now()
-    with transaction.atomic():
-        device, created = WnsDevice.objects.select_for_update().get_or_create(
-            app=app, device_id_hash=digest, defaults={"channel_uri": channel_uri}
-        )
-        if not created:
-            WnsDevice.objects.filter(pk=device.pk).update(channel_uri=channel_uri, updated=now)
+    at = _db_time(now)
+    created = _fetchone(_NEW_DEVICE_SQL, [app.pk, digest, channel_uri, at, at]) is not None
+    if not created:
+        with transaction.atomic():
+            row = _fetchone(_SET_CHANNEL_SQL, [channel_uri, at, app.pk, digest])
+            if row is None:  # removed since the insert found it: the client sends again
+                raise UwpxError(ErrorKind.UNAVAILABLE, "The device changed meanwhile; try again.")
             lifecycle.renew_logged(
-                Registration.objects.filter(wns_device=device),
+                Registration.objects.filter(wns_device_id=row[0]),
                 token=channel_uri,
                 dead_since=None,
                 updated=now,
@@ -327,74 +518,97 @@ def set_accounts(*, app: App, device_id: str, accounts: Sequence[AccountRef]) ->
 
 
 def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> AccountsAnswer:
-    device = _device(app=app, device_id=device_id, for_update=True)
-    component = push_component(app=app)
-    if wanted and component is None:
+    """In one transaction: the device (locked and touched by one UPDATE), its registrations,
+    and only what changed written back. A re-registration that changes nothing is two
+    statements on PostgreSQL (touch the device and read its registrations, renew them),
+    three on SQLite."""
+    digest = device_id_hash(device_id)
+    now = timezone.now()
+    at = _db_time(now)
+    touch = [at, app.pk, digest, app.pk, True, app.pk, True]
+    if connection.vendor == "postgresql":
+        rows = _fetchall(_TOUCH_AND_READ_SQL, touch)
+        mine_rows = [r[5:] for r in rows if r[5] is not None]
+    else:
+        rows = _fetchall(_TOUCH_DEVICE_SQL, touch)
+        mine_rows = _fetchall(_MINE_SQL, [rows[0][0]]) if rows else []
+    if not rows or not hmac.compare_digest(rows[0][2], digest):
+        raise UwpxError(ErrorKind.UNKNOWN_DEVICE, UNKNOWN_DEVICE)
+    device_pk, channel_uri, _, component_id, component_jid = rows[0][:5]
+    if wanted and component_id is None:
         raise UwpxError(ErrorKind.UNAVAILABLE, "This app has no push component configured yet.")
-    if wanted and not channels.wns_channel_sendable(app=app, channel_uri=device.channel_uri):
+    if wanted and not channels.wns_channel_sendable(app=app, channel_uri=channel_uri):
         # The app's channel hosts changed since the channel was set: accounts registered now
         # would only collect dead letters.
         raise UwpxError(
             ErrorKind.CONFLICT,
             "The device's channel URI is no longer allowed, "
-            + channels.why_not_sendable(app=app, channel_uri=device.channel_uri)
+            + channels.why_not_sendable(app=app, channel_uri=channel_uri)
             + " Send set_channel_uri again with a channel URI the app may send to.",
         )
-    # One query for both: this device's registrations, and any other holder of a wanted hash.
-    mine: dict[str, Registration] = {}
-    taken: set[str] = set()
-    for reg in Registration.objects.filter(
-        Q(wns_device=device)
-        | Q(
-            app=app,
-            service=Service.WNS,
-            room_hash="",
-            device_hash__in=[item.device_hash for item in wanted],
+    existing = {
+        mine.device_hash: mine
+        for mine in (
+            _Mine(r[0], r[1], r[2], r[3], r[4], r[5], r[6] is not None, r[7]) for r in mine_rows
         )
-    ):
-        if reg.wns_device_id == device.pk:
-            mine[reg.device_hash] = reg
-        else:
-            taken.add(reg.device_hash)
-    for item in wanted:
-        if item.device_hash in taken:
-            # Only an account id copied from elsewhere can collide: never hand out (or even
-            # confirm) another device's registration.
-            raise UwpxError(
-                ErrorKind.CONFLICT,
-                f"accounts[{item.index}] cannot be registered for this device.",
+    }
+    fresh = [item.device_hash for item in wanted if item.device_hash not in existing]
+    if fresh:
+        # Only an account id copied from elsewhere can collide: never hand out (or even
+        # confirm) another device's registration.
+        taken = {
+            r[0]
+            for r in _fetchall(
+                _TAKEN_SQL + _placeholders(len(fresh)), [app.pk, Service.WNS, device_pk, *fresh]
             )
-    existing = mine
+        }
+        for item in wanted:
+            if item.device_hash in taken:
+                raise UwpxError(
+                    ErrorKind.CONFLICT,
+                    f"accounts[{item.index}] cannot be registered for this device.",
+                )
     keep = {item.device_hash for item in wanted}
-    gone = [reg.pk for digest, reg in existing.items() if digest not in keep]
+    gone = [mine.id for digest_, mine in existing.items() if digest_ not in keep]
     if gone:
-        lifecycle.delete_logged(Registration.objects.filter(pk__in=gone))
-    now = timezone.now()
-    kept = [existing[item.device_hash].pk for item in wanted if item.device_hash in existing]
+        lifecycle.delete_logged(Registration.objects.filter(pk__in=gone), at=now)
+    kept = [existing[item.device_hash] for item in wanted if item.device_hash in existing]
     if kept:
-        assert component is not None
-        lifecycle.renew_logged(
-            Registration.objects.filter(pk__in=kept),
-            component=component,
-            token=device.channel_uri,
-            dead_since=None,
-            updated=now,
-            at=now,
-        )
+        quiet = [mine.id for mine in kept if mine.token == channel_uri and not mine.dead]
+        renewed: set[int] = set()
+        if quiet:
+            renewed = {
+                r[0]
+                for r in _fetchall(
+                    _RENEW_SQL.format(ids=_placeholders(len(quiet))),
+                    [component_id, channel_uri, at, channel_uri, *quiet],
+                )
+            }
+        logged = [mine.id for mine in kept if mine.id not in renewed]
+        if logged:
+            # A new token or a revival: a renewal the reports must see.
+            lifecycle.renew_logged(
+                Registration.objects.filter(pk__in=logged),
+                component_id=component_id,
+                token=channel_uri,
+                dead_since=None,
+                updated=now,
+                at=now,
+            )
     for item in wanted:
         found = existing.get(item.device_hash)
         if found is not None and item.domain and found.account_domain != item.domain:
-            Registration.objects.filter(pk=found.pk).update(account_domain=item.domain)
+            Registration.objects.filter(pk=found.id).update(account_domain=item.domain)
     new = [
         Registration(
             app=app,
-            component=component,
+            component_id=component_id,
             service=Service.WNS,
-            wns_device=device,
+            wns_device_id=device_pk,
             device_hash=item.device_hash,
             room_hash="",
             account_domain=item.domain,
-            token=device.channel_uri,
+            token=channel_uri,
             node=new_node(),
             secret=new_secret(),
         )
@@ -402,22 +616,23 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
         if item.device_hash not in existing
     ]
     if new:
-        Registration.objects.bulk_create(new)
-        lifecycle.created(new, at=now)
+        _insert_registrations(new, at=at)
+        lifecycle.created(new, at=now, tenant_id=app.tenant_id)
     created = {reg.device_hash: reg for reg in new}
-    WnsDevice.objects.filter(pk=device.pk).update(updated=now)
     answers = []
     for item in wanted:
-        reg = existing.get(item.device_hash) or created[item.device_hash]
+        mine = existing.get(item.device_hash)
+        reg = mine or created[item.device_hash]
+        node, secret = reg.node, reg.secret
         answers.append(
             AccountAnswer(
                 bare_jid=item.ref.bare_jid,
                 account_id=item.device_hash,
-                node=reg.node,
-                secret=reg.secret,
+                node=node,
+                secret=secret,
             )
         )
-    return AccountsAnswer(push_bare_jid=component.jid if component else "", accounts=answers)
+    return AccountsAnswer(push_bare_jid=component_jid or "", accounts=answers)
 
 
 def request_test_push(*, app: App, device_id: str) -> str:
