@@ -375,6 +375,11 @@ def main() -> None:
     parser.add_argument("--phones", type=int, default=8)
     parser.add_argument("--web-workers", type=int, default=1)
     parser.add_argument("--web-threads", type=int, default=16)
+    parser.add_argument(
+        "--web-worker-class",
+        default="pushsite.web_worker.PushWorker",
+        help="gunicorn worker class (the Procfile's; gthread for gunicorn's own)",
+    )
     parser.add_argument("--gateway-threads", type=int, default=8)
     args = parser.parse_args()
     levels = [int(value) for value in args.concurrency.split(",")]
@@ -408,7 +413,7 @@ def main() -> None:
     web = subprocess.Popen(
         [
             str(ROOT / ".venv" / "bin" / "gunicorn"), "pushsite.wsgi",
-            "--bind", f"127.0.0.1:{web_port}", "--worker-class", "gthread",
+            "--bind", f"127.0.0.1:{web_port}", "--worker-class", args.web_worker_class,
             "--workers", str(args.web_workers), "--threads", str(args.web_threads),
             "--log-level", "warning",
         ],
@@ -457,7 +462,8 @@ def main() -> None:
             "benchmark": "unifiedpush",
             "body_bytes": args.body_bytes,
             "seconds_per_phase": args.seconds,
-            "web": f"gunicorn gthread, {args.web_workers} workers x {args.web_threads} threads",
+            "web": f"gunicorn {args.web_worker_class}, {args.web_workers} workers x "
+            f"{args.web_threads} threads",
             "gateway_threads": args.gateway_threads,
             "phones": args.phones,
             "cpus": os.cpu_count(),
