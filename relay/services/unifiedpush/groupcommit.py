@@ -10,6 +10,7 @@ load the batches grow by themselves, and each POST still gets its own answer (or
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -30,10 +31,16 @@ class _Slot(Generic[Item, Result]):
 
 class GroupCommit(Generic[Item, Result]):
     def __init__(
-        self, write: Callable[[Sequence[Item]], Sequence[Result]], *, max_batch: int = 100
+        self,
+        write: Callable[[Sequence[Item]], Sequence[Result]],
+        *,
+        max_batch: int = 100,
+        gather_seconds: float = 0.0,
     ) -> None:
         self._write = write
         self._max_batch = max_batch
+        self._gather = gather_seconds
+        self._last_batch = 0
         self._lock = threading.Lock()
         self._queue: list[_Slot[Item, Result]] = []
         self._writing = False
@@ -54,6 +61,9 @@ class GroupCommit(Generic[Item, Result]):
         return self._outcome(slot)
 
     def _lead(self) -> None:
+        if self._gather and self._last_batch > 1:
+            # Others were writing with us last time: give the ones on their way a moment.
+            time.sleep(self._gather)
         with self._lock:
             batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
         try:
@@ -68,6 +78,7 @@ class GroupCommit(Generic[Item, Result]):
                 slot.result = result
         self.batches += 1
         self.items += len(batch)
+        self._last_batch = len(batch)
         with self._lock:
             successor = self._queue[0] if self._queue else None
             if successor is None:
