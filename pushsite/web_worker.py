@@ -159,44 +159,50 @@ class PushWorker(ThreadWorker):
         if unreader.buf.tell() or unreader.buf.getvalue():
             return None  # read-ahead from gunicorn's side: let it go on
         sock = conn.sock
-        sock.settimeout(READ_TIMEOUT)
+        # The poller said readable, so the first read returns at once whatever the socket's
+        # mode (non-blocking on a kept-alive connection); only further reads get a timeout.
         try:
             data = sock.recv(MAX_HEAD + MAX_BODY)
-            if not data:
-                return False
-            if not data.startswith(PREFIX):
-                unreader.unread(data)
-                return None
-            end = data.find(b"\r\n\r\n")
+        except BlockingIOError:
+            return None  # nothing after all: gunicorn's handler waits as it always does
+        if not data:
+            return False
+        if not data.startswith(PREFIX):
+            unreader.unread(data)
+            return None
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            sock.settimeout(READ_TIMEOUT)
             while end < 0 and len(data) < MAX_HEAD:
                 more = sock.recv(MAX_HEAD + MAX_BODY)
                 if not more:
                     return False
                 data += more
                 end = data.find(b"\r\n\r\n")
-            parsed = parse_head(data[:end]) if end >= 0 else None
-            if parsed is None:
-                unreader.unread(data)
-                return None
-            token, headers, length, close = parsed
-            body_end = end + 4 + length
+        parsed = parse_head(data[:end]) if end >= 0 else None
+        if parsed is None:
+            unreader.unread(data)
+            return None
+        token, headers, length, close = parsed
+        body_end = end + 4 + length
+        if len(data) < body_end:
+            sock.settimeout(READ_TIMEOUT)
             while len(data) < body_end:
                 more = sock.recv(body_end - len(data))
                 if not more:
                     return False
                 data += more
-        finally:
-            sock.setblocking(True)
         if len(data) > body_end:
             unreader.unread(data[body_end:])  # a pipelined next request
         request = _Request(token, headers, data[end + 4 : body_end], close)
         return self._answer(conn, request)
 
     def _answer(self, conn: Any, request: _Request) -> bool:
+        # Imported here: Django is set up only once gunicorn has loaded the application.
         from django.db import close_old_connections
 
         from relay import unifiedpush_http
-        from relay.metrics import HTTP_DURATION, HTTP_REQUESTS, http_handler
+        from relay.metrics import HTTP_DURATION, HTTP_REQUESTS
 
         started = time.perf_counter()
         body = request.body
@@ -236,11 +242,16 @@ class PushWorker(ThreadWorker):
         if not keep:
             head.append(b"Connection: close")
         payload = b"\r\n".join(head) + b"\r\n\r\n" + content
-        conn.sock.sendall(payload)
+        try:
+            sent = conn.sock.send(payload)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(payload):  # a full send buffer: wait for it, within the timeout
+            conn.sock.settimeout(READ_TIMEOUT)
+            conn.sock.sendall(payload[sent:])
         elapsed = time.perf_counter() - started
-        handler = http_handler("/push/" + request.token)
-        HTTP_REQUESTS.labels(handler, "POST", str(status)).inc()
-        HTTP_DURATION.labels(handler).observe(elapsed)
+        HTTP_REQUESTS.labels("push", "POST", str(status)).inc()  # relay.metrics.http_handler
+        HTTP_DURATION.labels("push").observe(elapsed)
         if self.log.access_log_enabled:
             self._access_log(conn, request, status, headers, len(payload), elapsed)
         return keep
