@@ -45,4 +45,4 @@ EXPOSE 8000 1997
 # For the web process; compose.yaml turns it off for the others (they serve no HTTP yet).
 HEALTHCHECK --interval=15s --timeout=6s --start-period=20s --retries=3 \
     CMD ["python", "/opt/push-relay/deploy/healthcheck.py", "http://127.0.0.1:8000/healthz"]
-CMD ["gunicorn", "pushsite.wsgi", "--bind", "0.0.0.0:8000", "--worker-class", "gthread", "--workers", "1", "--threads", "16", "--access-logfile", "-", "--config", "python:pushsite.gunicorn_conf"]
+CMD ["gunicorn", "pushsite.wsgi", "--bind", "0.0.0.0:8000", "--worker-class", "pushsite.web_worker.PushWorker", "--workers", "1", "--threads", "16", "--access-logfile", "-", "--config", "python:pushsite.gunicorn_conf"]

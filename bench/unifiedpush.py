@@ -375,6 +375,11 @@ def main() -> None:
     parser.add_argument("--phones", type=int, default=8)
     parser.add_argument("--web-workers", type=int, default=1)
     parser.add_argument("--web-threads", type=int, default=16)
+    parser.add_argument(
+        "--web-worker-class",
+        default="pushsite.web_worker.PushWorker",
+        help="gunicorn worker class (the Procfile's; gthread for gunicorn's own)",
+    )
     parser.add_argument("--gateway-threads", type=int, default=8)
     args = parser.parse_args()
     levels = [int(value) for value in args.concurrency.split(",")]
@@ -405,14 +410,15 @@ def main() -> None:
     prosody = BenchProsody(workdir / "prosody")
     prosody.start()
     web_port = free_port()
-    web = subprocess.Popen(
+    web = subprocess.Popen(  # application_name: PostgreSQL's CPU is split by who asks
+
         [
             str(ROOT / ".venv" / "bin" / "gunicorn"), "pushsite.wsgi",
-            "--bind", f"127.0.0.1:{web_port}", "--worker-class", "gthread",
+            "--bind", f"127.0.0.1:{web_port}", "--worker-class", args.web_worker_class,
             "--workers", str(args.web_workers), "--threads", str(args.web_threads),
             "--log-level", "warning",
         ],
-        cwd=ROOT, env=dict(os.environ),
+        cwd=ROOT, env={**os.environ, "DATABASE_URL": database_url + "?application_name=web"},
     )  # fmt: skip
     tenant = Tenant.objects.create(name="bench")
     component = Component.objects.create(
@@ -424,7 +430,9 @@ def main() -> None:
         unifiedpush_endpoint_url=f"http://127.0.0.1:{web_port}",
     )
     gateway = subprocess.Popen(
-        [sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=dict(os.environ)
+        [sys.executable, "manage.py", "run_gateway"],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": database_url + "?application_name=gateway"},
     )
     results: dict[str, Any] = {}
     try:
@@ -442,7 +450,14 @@ def main() -> None:
             "driver (HTTP client + phones)": os.getpid(),
         }
         results = asyncio.run(
-            measure(args, levels, prosody, pids, lambda: UnifiedPushMessage.objects.count())
+            measure(
+                args,
+                levels,
+                prosody,
+                pids,
+                lambda: UnifiedPushMessage.objects.count(),
+                lambda: postgres_cpu_by_client(database_url),
+            )
         )
     finally:
         for process in (gateway, web):
@@ -457,7 +472,8 @@ def main() -> None:
             "benchmark": "unifiedpush",
             "body_bytes": args.body_bytes,
             "seconds_per_phase": args.seconds,
-            "web": f"gunicorn gthread, {args.web_workers} workers x {args.web_threads} threads",
+            "web": f"gunicorn {args.web_worker_class}, {args.web_workers} workers x "
+            f"{args.web_threads} threads",
             "gateway_threads": args.gateway_threads,
             "phones": args.phones,
             "cpus": os.cpu_count(),
@@ -474,8 +490,36 @@ def main() -> None:
     print_table(results)
 
 
+def postgres_cpu_by_client(database_url: str) -> dict[str, float]:
+    """CPU seconds of PostgreSQL's live processes by who they serve: the web's connections,
+    the gateway's, this driver's, and PostgreSQL's own (autovacuum, WAL writer, ...)."""
+    import psycopg
+
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute(
+            "SELECT pid, application_name, backend_type FROM pg_stat_activity"
+        ).fetchall()
+        [(commits,)] = conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchall()
+    # Commits per relay, in thousandths like the rest (x 1000 below): how well batching works.
+    out: dict[str, float] = {"commits (x1000)": float(commits)}
+    for pid, application, backend_type in rows:
+        if backend_type == "client backend":
+            group = application if application in ("web", "gateway") else "driver"
+        else:
+            group = backend_type
+        out[group] = out.get(group, 0.0) + tree_cpu(pid, descendants=False)
+    return out
+
+
 async def measure(
-    args: Any, levels: list[int], prosody: BenchProsody, pids: dict[str, int], stored: Any
+    args: Any,
+    levels: list[int],
+    prosody: BenchProsody,
+    pids: dict[str, int],
+    stored: Any,
+    postgres_split: Any,
 ) -> dict[str, Any]:
     driver = Driver(args.body_bytes)
     phones = []
@@ -497,6 +541,7 @@ async def measure(
             await driver.run(phase, endpoints[side], args.warmup, record_from=float("inf"))
             await drain(stored if side == OURS else None)
             cpu_before = {key: cpu_of(key, pid) for key, pid in pids.items()}
+            pg_before = await asyncio.to_thread(postgres_split)
             busy_before = machine_busy()
             started = time.perf_counter()
             await driver.run(phase, endpoints[side], args.seconds, record_from=started)
@@ -504,6 +549,7 @@ async def measure(
             elapsed = time.perf_counter() - started
             busy_after = machine_busy()
             cpu = {key: cpu_of(key, pid) - cpu_before[key] for key, pid in pids.items()}
+            pg_after = await asyncio.to_thread(postgres_split)
             relays = len(phase.totals)
             phases[f"{name}@{concurrency}"] = {
                 "side": name,
@@ -518,6 +564,12 @@ async def measure(
                 "drain_seconds_after_last_post": round(drained, 3),
                 "cpu_ms_per_relay": {
                     key: round(seconds * 1000 / max(1, relays), 3) for key, seconds in cpu.items()
+                },
+                # Processes that ended during the phase (an autovacuum worker) are missing.
+                "postgresql_cpu_ms_per_relay_by_client": {
+                    key: round((value - pg_before.get(key, 0.0)) * 1000 / max(1, relays), 3)
+                    for key, value in sorted(pg_after.items())
+                    if value - pg_before.get(key, 0.0) > 0
                 },
                 "cpu_cores_busy": {
                     key: round(seconds / elapsed, 2) for key, seconds in cpu.items()
@@ -574,8 +626,13 @@ def print_table(results: dict[str, Any]) -> None:
         cpu = ", ".join(f"{k.split(' ')[0]} {v}" for k, v in phase["cpu_ms_per_relay"].items())
         print(
             f"{name:34} {phase['relays_per_second']:>9} {latency['p50']:>7} "
-            f"{latency['p95']:>7} {latency['p99']:>7}  {cpu}"
+            f"{latency['p95']:>7} {latency['p99']:>7}  {cpu}  (load {phase['loadavg'][0]})"
         )
+        split = phase.get("postgresql_cpu_ms_per_relay_by_client", {})
+        if name.startswith("relay@") and split:
+            print(
+                f"{'':34} postgresql by client: " + ", ".join(f"{k} {v}" for k, v in split.items())
+            )
     for concurrency, ratio in results["comparison"].items():
         print(
             f"at {concurrency} connections: ours/prosody rate {ratio['rate_ratio_ours_to_prosody']}"

@@ -354,3 +354,27 @@ def test_the_matrix_gateway_answers_429_when_a_device_is_over_its_limit(client, 
 def test_the_matrix_gateway_refuses_what_is_not_a_notification(client, payload):
     answer = client.post("/_matrix/push/v1/notify", data=payload, content_type="application/json")
     assert answer.status_code == 400
+
+
+def test_an_opened_token_is_reused_but_still_expires_and_needs_its_key(client, up_component):
+    """The web process keeps tokens it opened (relay/services/unifiedpush/messages.py): a
+    cached one still expires on time, and one whose key left the list no longer opens."""
+    from relay.services.unifiedpush.keys import new_master_key
+
+    registered = register(up_component, now=time.time() - 7 * 86400 + 60)  # a minute left
+    token = registered.endpoint.rsplit("/", 1)[1]
+    assert post(client, registered.endpoint).status_code == 201
+    assert token in messages._opened
+    assert post(client, registered.endpoint).status_code == 201  # from the cache
+    with pytest.raises(messages.PushRefused) as refused:
+        messages.accept(token=token, body=b"x", ttl=None, topic=None, urgency=None,
+                        now=time.time() + 120)  # fmt: skip
+    assert refused.value.status == 404
+    with override_settings(UNIFIEDPUSH_KEYS=[new_master_key()]):
+        assert post(client, registered.endpoint).status_code == 404
+    assert post(client, registered.endpoint).status_code == 201  # the key is back
+    tampered = registered.endpoint[:-5] + (
+        "AAAAA" if registered.endpoint[-5:] != "AAAAA" else "BBBBB"
+    )
+    assert post(client, tampered).status_code == 404
+    assert tampered.rsplit("/", 1)[1] not in messages._opened

@@ -129,3 +129,42 @@ def test_every_stored_message_is_notified_once_in_batches_under_8000_bytes(token
     by_id = {p.id: messages.open_message(p.sealed).body for p in parsed}
     for (_, body, _), answer in zip(items, answers, strict=True):
         assert by_id[answer.message_id] == body
+
+
+def test_group_commit_with_a_gather_window_answers_each_item_its_own_result():
+    """The writer's millisecond of gathering (store.GATHER_SECONDS) never mixes up answers,
+    and a failed batch fails every item in it."""
+    import threading
+
+    from relay.services.unifiedpush.groupcommit import GroupCommit
+
+    batches: list[int] = []
+
+    def write(items):
+        batches.append(len(items))
+        if any(item < 0 for item in items):
+            raise ValueError("refused")
+        return [item * 2 for item in items]
+
+    group = GroupCommit(write, gather_seconds=0.002)
+    results: dict[int, object] = {}
+
+    def submit(item: int) -> None:
+        try:
+            results[item] = group.submit(item)
+        except ValueError as error:
+            results[item] = error
+
+    for _ in range(3):
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(1, 33)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert results == {i: i * 2 for i in range(1, 33)}
+    assert sum(batches) == 96
+    assert isinstance(group.submit(5), int) and group.submit(6) == 12
+    failing = threading.Thread(target=submit, args=(-1,))
+    failing.start()
+    failing.join()
+    assert isinstance(results[-1], ValueError)

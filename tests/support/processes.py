@@ -144,7 +144,8 @@ def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[Servic
     web = ServiceProcess(
         "web",
         [sys.executable, "-m", "gunicorn", "pushsite.wsgi", "--bind", f"127.0.0.1:{port}",
-         "--worker-class", "gthread", "--workers", str(workers), "--threads", str(threads),
+         "--worker-class", "pushsite.web_worker.PushWorker",
+         "--workers", str(workers), "--threads", str(threads),
          "--access-logfile", "-", "--config", "python:pushsite.gunicorn_conf"],
         service_env(**env),
     )  # fmt: skip

@@ -227,7 +227,13 @@ def _write_batch(items: Sequence[tuple[NewMessage, int]]) -> list[int | None]:
     return results
 
 
-_group: GroupCommit[tuple[NewMessage, int], int | None] = GroupCommit(_write_batch)
+# Under concurrency (the last batch had company), the writer waits a millisecond for the
+# POSTs on their way: bigger batches, fewer statements (bench/unifiedpush.py: about a quarter
+# fewer commits per relay at 16 connections); a lone POST is written at once.
+GATHER_SECONDS = 0.001
+_group: GroupCommit[tuple[NewMessage, int], int | None] = GroupCommit(
+    _write_batch, gather_seconds=GATHER_SECONDS
+)
 
 
 def _store_postgres(messages: Sequence[NewMessage], *, max_per_endpoint: int) -> list[int | None]:
