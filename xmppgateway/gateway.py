@@ -195,41 +195,59 @@ class Link:
 
 
 class PublishBatcher:
-    """Gathers the publishes of every link that arrive within `window` seconds (at most
-    `limit`) into ONE `accept_publishes` call in the executor: one database query, one
-    throttling round trip and one broker message per batch instead of per publish.
+    """Gathers the publishes of every link into `accept_publishes` calls in the executor: one
+    database query, one throttling round trip and one broker message per batch instead of
+    per publish.
+
+    The batches adapt to the load, with no timer: while fewer than `concurrency` batch calls
+    run, the publishes that arrived together (one read from the link, one turn of the event
+    loop) go out at once; while they all run, the publishes gather and go out as the next
+    batch (at most `limit` each) the moment one ends. At a low rate a publish waits for
+    nothing; at a high one the batches grow until a batch call keeps up, and the fixed cost
+    of a call is shared by as many publishes as arrived during the previous one.
 
     Each publish still gets its own verdict, and only once the batch call returned, that is
     once its job is in the broker; a batch that fails as a whole answers `wait` to all.
     """
 
-    def __init__(self, run_blocking: RunBlocking, *, window: float, limit: int) -> None:
+    def __init__(self, run_blocking: RunBlocking, *, limit: int, concurrency: int = 1) -> None:
         self._run_blocking = run_blocking
-        self.window = window
         self.limit = max(1, limit)
+        self.concurrency = max(1, concurrency)
         self._pending: list[tuple[Publish, asyncio.Future[Verdict]]] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._scheduled = False
         self._running: set[asyncio.Task[None]] = set()
 
     async def accept(self, publish: Publish) -> Verdict:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Verdict] = loop.create_future()
         self._pending.append((publish, future))
-        if len(self._pending) >= self.limit:
-            self._flush()
-        elif self._timer is None:
-            self._timer = loop.call_later(self.window, self._flush)
+        if len(self._running) < self.concurrency:
+            if len(self._pending) >= self.limit:
+                self._flush()
+            elif not self._scheduled:
+                # After the handlers already scheduled in this turn (the rest of the read).
+                self._scheduled = True
+                loop.call_soon(self._flush_if_idle)
         return await future
 
+    def _flush_if_idle(self) -> None:
+        self._scheduled = False
+        if len(self._running) < self.concurrency:
+            self._flush()
+
     def _flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        batch, self._pending = self._pending, []
+        batch, self._pending = self._pending[: self.limit], self._pending[self.limit :]
         if batch:
             task = asyncio.ensure_future(self._accept_batch(batch))
             self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        """A batch call ended: what gathered meanwhile goes out now."""
+        self._running.discard(task)
+        while self._pending and len(self._running) < self.concurrency:
+            self._flush()
 
     async def _accept_batch(self, batch: list[tuple[Publish, asyncio.Future[Verdict]]]) -> None:
         try:
@@ -266,8 +284,8 @@ class Gateway:
         self._held: tuple[int, int, int] = (0, 0, 0)
         self.publishes = PublishBatcher(
             self.run_blocking,
-            window=conf.current().publish_batch_seconds,
             limit=conf.current().publish_batch_max,
+            concurrency=conf.current().publish_batch_concurrency,
         )
         self.links: dict[int, Link] = {}
         self.synced = False
