@@ -245,7 +245,7 @@ def main() -> None:
                 subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
             )
             processes.extend(start_workers(args.workers, args.concurrency, env))
-            await server.wait_connected(timeout=30)
+            await server.wait_connected(timeout=120)  # a loaded machine starts slowly
             # Warm up: a few pushes so connections, OAuth token and caches exist.
             warm = registrations[:20]
             await server.publish_all(
