@@ -146,6 +146,13 @@ def main() -> None:
     )
     parser.add_argument("--phase-seconds", type=float, default=12.0)
     parser.add_argument("--no-closed-loop", action="store_true")
+    parser.add_argument(
+        "--batching",
+        choices=("timer", "adaptive"),
+        default="timer",
+        help="the gateway's publish batching (timer: the default; adaptive: no timer, one "
+        "batch call at a time, RELAY_PUBLISH_BATCH_SECONDS=0 RELAY_PUBLISH_BATCH_CONCURRENCY=1)",
+    )
     args = parser.parse_args()
     rates = [int(r) for r in args.rate.split(",") if r.strip()]
     closed_pushes = 0 if args.no_closed_loop else args.pushes
@@ -241,6 +248,8 @@ def main() -> None:
                 RELAY_GATEWAY_THREADS=str(args.gateway_threads),
                 RELAY_COMPONENT_POLL_SECONDS="0.5",
             )
+            if args.batching == "adaptive":
+                env.update(RELAY_PUBLISH_BATCH_SECONDS="0", RELAY_PUBLISH_BATCH_CONCURRENCY="1")
             processes.append(
                 subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
             )
@@ -326,6 +335,7 @@ def main() -> None:
     results.update(
         {
             "benchmark": "relay",
+            "batching": args.batching,
             "workers": args.workers,
             "worker_threads": args.concurrency,
             "gateway_threads": args.gateway_threads,

@@ -38,6 +38,7 @@ class RelayConf:
     gateway_lease_seconds: float
     gateway_renew_seconds: float
     gateway_name: str
+    publish_batch_seconds: float
     publish_batch_max: int
     publish_batch_concurrency: int
     # Sending
@@ -140,6 +141,7 @@ def build(source: Any = settings) -> RelayConf:
         gateway_lease_seconds=float(relay["GATEWAY_LEASE_SECONDS"]),
         gateway_renew_seconds=float(relay["GATEWAY_RENEW_SECONDS"]),
         gateway_name=str(relay["GATEWAY_NAME"]),
+        publish_batch_seconds=float(relay["PUBLISH_BATCH_SECONDS"]),
         publish_batch_max=int(relay["PUBLISH_BATCH_MAX"]),
         publish_batch_concurrency=int(relay["PUBLISH_BATCH_CONCURRENCY"]),
         send_max_attempts=int(relay["SEND_MAX_ATTEMPTS"]),

@@ -229,7 +229,7 @@ def test_the_gateway_batcher_gathers_publishes_into_one_call():
         return answers[: len(publishes)]
 
     async def scenario() -> list[Verdict]:
-        batcher = PublishBatcher(run_blocking, limit=10)
+        batcher = PublishBatcher(run_blocking, limit=10, window=0.05)
         requests = [
             Publish(
                 component_id=1,
@@ -256,7 +256,7 @@ def test_the_gateway_batcher_flushes_at_its_limit_and_answers_wait_on_outages():
         return [Verdict.ACCEPTED] * len(publishes)
 
     async def scenario() -> list[Verdict]:
-        batcher = PublishBatcher(run_blocking, limit=2)  # the limit flushes
+        batcher = PublishBatcher(run_blocking, limit=2, window=10.0)  # the limit flushes
         publish = Publish(
             component_id=1, publishing_domain="d", node="n", secret="s", important=False
         )
@@ -281,7 +281,7 @@ def test_the_gateway_batcher_sends_at_once_when_idle_and_gathers_while_a_batch_r
                 await gate.wait()
             return [Verdict.ACCEPTED] * len(publishes)
 
-        batcher = PublishBatcher(run_blocking, limit=10)
+        batcher = PublishBatcher(run_blocking, limit=10, concurrency=1)  # adaptive
 
         def publish(node: str) -> Publish:
             return Publish(
