@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import percentiles, prepare_database, start_workers, wait_http, write_results  # noqa: E402
+from bench.component_server import PUBLISH, ComponentServer  # noqa: E402
 
 BENCH_DB = os.environ.get("RELAY_BENCH_DB", "relay_bench")
 
@@ -43,22 +45,91 @@ def cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def service_cpu(pids: dict[str, int], names: tuple[str, ...]) -> dict[str, float]:
-    """CPU seconds of our processes plus the PostgreSQL and Redis servers (by process name)."""
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+    return found
+
+
+def service_cpu(pids: dict[str, int], servers: dict[str, int]) -> dict[str, float]:
+    """CPU seconds of our processes plus the PostgreSQL and Redis servers this benchmark uses
+    (each server's main process, its reaped children included, and its live children): other
+    helpers' servers on the same machine are not counted."""
     figures = {name: cpu_seconds(pid) for name, pid in pids.items()}
     figures["bench_client"] = cpu_seconds(os.getpid())
-    for name in names:
-        total = 0.0
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    comm = (entry / "comm").read_text().strip()
-                except OSError:
-                    continue
-                if comm.startswith(name):
-                    total += cpu_seconds(int(entry.name))
-        figures[name] = total
+    for name, pid in servers.items():
+        figures[name] = cpu_seconds(pid) + sum(cpu_seconds(child) for child in _children(pid))
     return figures
+
+
+def server_pids(database_url: str, broker_url: str) -> dict[str, int]:
+    """The postmaster's pid (from its data directory) and the redis-server's (INFO)."""
+    import psycopg
+    import redis
+
+    found: dict[str, int] = {}
+    with psycopg.connect(database_url.replace("postgres://", "postgresql://")) as conn:
+        row = conn.execute("SHOW data_directory").fetchone()
+    if row is not None:
+        found["postgres"] = int((Path(row[0]) / "postmaster.pid").read_text().split()[0])
+    info = redis.Redis.from_url(broker_url).info("server")
+    found["redis"] = int(info["process_id"])
+    return found
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(fields) - idle) / tick, sum(fields) / tick
+
+
+class Accounting:
+    """CPU of every process and of the machine between `start()` and `stop()`."""
+
+    def __init__(self, pids: dict[str, int], servers: dict[str, int]) -> None:
+        self.pids = pids
+        self.servers = servers
+
+    def start(self) -> None:
+        self.before = service_cpu(self.pids, self.servers)
+        self.machine_before = machine_busy()
+        self.started = time.perf_counter()
+
+    def stop(self, pushes: int) -> dict[str, object]:
+        after = service_cpu(self.pids, self.servers)
+        machine_after = machine_busy()
+        elapsed = time.perf_counter() - self.started
+        used = {name: after[name] - self.before[name] for name in after}
+        relay = sum(v for k, v in used.items() if k == "gateway" or k.startswith("worker_"))
+        busy = machine_after[0] - self.machine_before[0]
+        ours = sum(used.values())
+        return {
+            "cpu_ms_per_push": {
+                name: round(value * 1000 / max(pushes, 1), 3) for name, value in used.items()
+            }
+            | {
+                "relay_gateway_and_workers": round(relay * 1000 / max(pushes, 1), 3),
+                "with_postgres_redis": round(
+                    (relay + used.get("postgres", 0) + used.get("redis", 0))
+                    * 1000
+                    / max(pushes, 1),
+                    3,
+                ),
+            },
+            "cpu_busy_fraction": {name: round(value / elapsed, 2) for name, value in used.items()},
+            "machine_busy_cores": round(busy / elapsed, 2),
+            "machine_busy_cores_others": round(max(0.0, busy - ours) / elapsed, 2),
+            "load_average": [round(v, 2) for v in os.getloadavg()],
+        }
 
 
 def main() -> None:
@@ -68,7 +139,24 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=32, help="threads per worker")
     parser.add_argument("--gateway-threads", type=int, default=16)
+    parser.add_argument(
+        "--rate",
+        default="100,500,1000",
+        help="open-loop phases: publishes per second, comma-separated ('' for none)",
+    )
+    parser.add_argument("--phase-seconds", type=float, default=12.0)
+    parser.add_argument("--no-closed-loop", action="store_true")
+    parser.add_argument(
+        "--batching",
+        choices=("timer", "adaptive"),
+        default="timer",
+        help="the gateway's publish batching (timer: the default; adaptive: no timer, one "
+        "batch call at a time, RELAY_PUBLISH_BATCH_SECONDS=0 RELAY_PUBLISH_BATCH_CONCURRENCY=1)",
+    )
     args = parser.parse_args()
+    rates = [int(r) for r in args.rate.split(",") if r.strip()]
+    closed_pushes = 0 if args.no_closed_loop else args.pushes
+    phase_sizes = [int(rate * args.phase_seconds) for rate in rates]
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
     broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
@@ -114,7 +202,10 @@ def main() -> None:
         wait_http(f"{fake_url}/_fake/stats")
         while not sa_path.exists():
             time.sleep(0.05)
-        tenant = Tenant.objects.create(name="bench")
+        # A limit above every rate offered: this measures the relay, not the throttle.
+        tenant = Tenant.objects.create(
+            name="bench", rate_limit_per_second=100_000, rate_limit_burst=100_000
+        )
         app = App.objects.create(
             tenant=tenant,
             name="bench",
@@ -122,10 +213,8 @@ def main() -> None:
             fcm_endpoint=fake_url,
         )
 
-        from bench.component_server import ComponentServer
-
         async def run() -> dict[str, object]:
-            server = ComponentServer("push.bench", "bench-secret")
+            server = PacedComponentServer("push.bench", "bench-secret")
             await server.start()
             component = await asyncio.to_thread(
                 Component.objects.create,
@@ -147,7 +236,7 @@ def main() -> None:
                     node=new_node(),
                     secret=new_secret(),
                 )
-                for i in range(args.pushes)
+                for i in range(20 + closed_pushes + sum(phase_sizes))
             ]
             await asyncio.to_thread(
                 Registration.objects.bulk_create, registrations, batch_size=2000
@@ -159,11 +248,13 @@ def main() -> None:
                 RELAY_GATEWAY_THREADS=str(args.gateway_threads),
                 RELAY_COMPONENT_POLL_SECONDS="0.5",
             )
+            if args.batching == "adaptive":
+                env.update(RELAY_PUBLISH_BATCH_SECONDS="0", RELAY_PUBLISH_BATCH_CONCURRENCY="1")
             processes.append(
                 subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
             )
             processes.extend(start_workers(args.workers, args.concurrency, env))
-            await server.wait_connected(timeout=30)
+            await server.wait_connected(timeout=120)  # a loaded machine starts slowly
             # Warm up: a few pushes so connections, OAuth token and caches exist.
             warm = registrations[:20]
             await server.publish_all(
@@ -175,49 +266,62 @@ def main() -> None:
             pids = {"fake_fcm": fake.pid, "gateway": processes[1].pid}
             for number, worker in enumerate(processes[2:]):
                 pids[f"worker_{number}"] = worker.pid
-            cpu_before = service_cpu(pids, ("postgres", "redis-server"))
-            started_wall = time.time()
-            started = time.perf_counter()
-            batch = [(f"p-{i}", r.node, r.secret) for i, r in enumerate(registrations)]
-            await server.publish_all(batch, window=args.window, timeout=600)
-            answered = time.perf_counter()
-            total_expected = len(warm) + len(batch)
-            await asyncio.to_thread(wait_fake_count, fake_url, total_expected, 600)
-            finished = time.perf_counter()
-            cpu_after = service_cpu(pids, ("postgres", "redis-server"))
-            records = fetch_fake_records(fake_url)
+            accounting = Accounting(pids, server_pids(database_url, broker_url))
+            figures: dict[str, object] = {"load_average_before": os.getloadavg()}
+            sent_to_fcm = len(warm)
+            offset = len(warm)
+            if closed_pushes:
+                batch = [
+                    (f"p-{i}", r.node, r.secret)
+                    for i, r in enumerate(registrations[offset : offset + closed_pushes], offset)
+                ]
+                offset += closed_pushes
+                sent_to_fcm += len(batch)
+                accounting.start()
+                started = time.perf_counter()
+                await server.publish_all(batch, window=args.window, timeout=600)
+                answered = time.perf_counter()
+                await asyncio.to_thread(wait_fake_count, fake_url, sent_to_fcm, 600)
+                finished = time.perf_counter()
+                closed: dict[str, object] = {
+                    "pushes": len(batch),
+                    "window": args.window,
+                    "publishes_per_second_answered": round(len(batch) / (answered - started), 1),
+                    "pushes_per_second_end_to_end": round(len(batch) / (finished - started), 1),
+                }
+                closed |= accounting.stop(len(batch))
+                closed |= await latencies(server, fake_url, batch)
+                figures["closed_loop"] = closed
+                report("closed loop", closed)
+            open_loop = []
+            for rate, size in zip(rates, phase_sizes, strict=True):
+                batch = [
+                    (f"p-{i}", r.node, r.secret)
+                    for i, r in enumerate(registrations[offset : offset + size], offset)
+                ]
+                offset += size
+                sent_to_fcm += len(batch)
+                accounting.start()
+                started = time.perf_counter()
+                behind = await server.publish_paced(batch, rate=rate, timeout=60)
+                seen = await asyncio.to_thread(
+                    wait_fake_count, fake_url, sent_to_fcm, 60, strict=False
+                )
+                finished = time.perf_counter()
+                phase: dict[str, object] = {
+                    "rate_offered": rate,
+                    "pushes": len(batch),
+                    "not_sent_within_60s": sent_to_fcm - seen,
+                    "seconds": round(finished - started, 2),
+                    "generator_max_behind_ms": round(behind * 1000, 2),
+                }
+                phase |= accounting.stop(len(batch))
+                phase |= await latencies(server, fake_url, batch)
+                open_loop.append(phase)
+                report(f"open loop {rate}/s", phase)
+            figures["open_loop"] = open_loop
             await server.close()
-            send_wall = {
-                f"p-{i}": started_wall + (server.sent_at[f"p-{i}"] - started)
-                for i in range(len(batch))
-            }
-            to_fcm = []
-            for record in records:
-                token = record["token"] or ""
-                if token.startswith("bench-token-"):
-                    iq_id = f"p-{token.rsplit('-', 1)[1]}"
-                    if iq_id in send_wall:
-                        to_fcm.append(record["time"] - send_wall[iq_id])
-            to_result = [server.answered_at[k] - server.sent_at[k] for k in server.answered_at]
-            errors = sum(1 for t in server.answer_types.values() if t != "result")
-            return {
-                "pushes": len(batch),
-                "publish_errors": errors,
-                "publishes_per_second_answered": round(len(batch) / (answered - started), 1),
-                "pushes_per_second_end_to_end": round(len(batch) / (finished - started), 1),
-                "latency_ms_publish_to_result": percentiles(to_result),
-                "latency_ms_publish_to_fcm": percentiles(to_fcm),
-                # CPU per push over the measured run (postgres/redis: every server process,
-                # other users of the machine included).
-                "cpu_ms_per_push": {
-                    name: round((cpu_after[name] - cpu_before[name]) * 1000 / len(batch), 3)
-                    for name in cpu_after
-                },
-                "cpu_busy_fraction": {
-                    name: round((cpu_after[name] - cpu_before[name]) / (finished - started), 2)
-                    for name in cpu_after
-                },
-            }
+            return figures
 
         results = asyncio.run(run())
     finally:
@@ -231,7 +335,7 @@ def main() -> None:
     results.update(
         {
             "benchmark": "relay",
-            "window": args.window,
+            "batching": args.batching,
             "workers": args.workers,
             "worker_threads": args.concurrency,
             "gateway_threads": args.gateway_threads,
@@ -244,23 +348,118 @@ def main() -> None:
     write_results("relay", results)
 
 
-def wait_fake_count(fake_url: str, count: int, timeout: float) -> None:
+class PacedComponentServer(ComponentServer):
+    """The component server with an open-loop generator besides the closed-loop one."""
+
+    async def publish_paced(
+        self, nodes: list[tuple[str, str, str]], *, rate: float, timeout: float
+    ) -> float:
+        """Send publish i at start + i/rate whatever the answers do; wait for every answer.
+        A publish's `sent_at` is when it was due. Returns how far the generator fell behind
+        its schedule at worst (seconds)."""
+        assert self._writer is not None
+        self._window = None
+        self._expected = len(nodes)
+        self._all_answered.clear()
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        behind = 0.0
+        sent = 0
+        while sent < len(nodes):
+            now = time.perf_counter()
+            due = min(len(nodes), int((now - start) * rate) + 1)
+            if due > sent:
+                behind = max(behind, now - (start + sent / rate))
+            chunks = []
+            while sent < due:
+                iq_id, node, secret = nodes[sent]
+                self.sent_at[iq_id] = start + sent / rate
+                chunks.append(
+                    PUBLISH.format(
+                        domain=self.domain,
+                        component=self.component_jid,
+                        id=iq_id,
+                        node=node,
+                        secret=secret,
+                    )
+                )
+                sent += 1
+            if chunks:
+                self._writer.write("".join(chunks).encode())
+                await self._writer.drain()
+            pause = start + sent / rate - time.perf_counter()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            else:
+                await asyncio.sleep(0)
+        del loop
+        with contextlib.suppress(TimeoutError):  # the unanswered are counted and reported
+            await asyncio.wait_for(self._all_answered.wait(), timeout)
+        return behind
+
+
+async def latencies(
+    server: ComponentServer, fake_url: str, batch: list[tuple[str, str, str]]
+) -> dict[str, object]:
+    """Publish -> result and publish -> FCM request of one run's publishes; forgets them."""
+    records = await asyncio.to_thread(fetch_fake_records, fake_url)
+    # perf_counter -> wall clock (the fake records wall-clock times)
+    shift = time.time() - time.perf_counter()
+    ids = {iq_id for iq_id, _, _ in batch}
+    to_fcm = []
+    for record in records:
+        token = str(record["token"] or "")
+        if token.startswith("bench-token-"):
+            iq_id = f"p-{token.rsplit('-', 1)[1]}"
+            if iq_id in ids and iq_id in server.sent_at:
+                to_fcm.append(float(record["time"]) - (server.sent_at[iq_id] + shift))  # type: ignore[arg-type]
+    to_result = [server.answered_at[k] - server.sent_at[k] for k in ids if k in server.answered_at]
+    errors = sum(1 for k in ids if server.answer_types.get(k, "result") != "result")
+    unanswered = sum(1 for k in ids if k not in server.answered_at)
+    for k in ids:
+        server.sent_at.pop(k, None)
+        server.answered_at.pop(k, None)
+        server.answer_types.pop(k, None)
+    return {
+        "publish_errors": errors,
+        "unanswered": unanswered,
+        "latency_ms_publish_to_result": percentiles(to_result),
+        "latency_ms_publish_to_fcm": percentiles(to_fcm),
+    }
+
+
+def report(name: str, figures: dict[str, object]) -> None:
+    """One readable line per run while the benchmark goes on (the JSON follows at the end)."""
+    cpu = figures["cpu_ms_per_push"]
+    assert isinstance(cpu, dict)
+    rate = figures.get("pushes_per_second_end_to_end", figures.get("rate_offered"))
+    print(
+        f"{name}: {rate}/s; result {figures['latency_ms_publish_to_result']}; "
+        f"fcm {figures['latency_ms_publish_to_fcm']}; cpu ms/push {cpu}; "
+        f"machine busy {figures['machine_busy_cores']} cores "
+        f"(others {figures['machine_busy_cores_others']}); load {figures['load_average']}",
+        flush=True,
+    )
+
+
+def wait_fake_count(fake_url: str, count: int, timeout: float, *, strict: bool = True) -> int:
+    """Wait until the fake has seen `count` sends; past the timeout raise, or (not strict)
+    return how many it saw, so that a phase the relay could not keep up with still reports."""
     deadline = time.monotonic() + timeout
     while True:
         stats = json.loads(urllib.request.urlopen(f"{fake_url}/_fake/stats", timeout=5).read())
-        if stats.get("sends", 0) >= count:
-            return
+        seen = int(stats.get("sends", 0))
+        if seen >= count:
+            return seen
         if time.monotonic() > deadline:
-            raise TimeoutError(f"fake FCM saw {stats.get('sends')} of {count} sends")
+            if not strict:
+                return seen
+            raise TimeoutError(f"fake FCM saw {seen} of {count} sends")
         time.sleep(0.05)
 
 
 def fetch_fake_records(fake_url: str) -> list[dict[str, object]]:
     return json.loads(urllib.request.urlopen(f"{fake_url}/_fake/requests", timeout=30).read())
-
-
-if __name__ == "__main__":
-    main()
 
 
 def analyze(table: str) -> None:
@@ -269,3 +468,7 @@ def analyze(table: str) -> None:
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute(f'ANALYZE "{table}"')
+
+
+if __name__ == "__main__":
+    main()

@@ -40,6 +40,7 @@ class RelayConf:
     gateway_name: str
     publish_batch_seconds: float
     publish_batch_max: int
+    publish_batch_concurrency: int
     # Sending
     send_max_attempts: int
     send_retry_base_seconds: float
@@ -142,6 +143,7 @@ def build(source: Any = settings) -> RelayConf:
         gateway_name=str(relay["GATEWAY_NAME"]),
         publish_batch_seconds=float(relay["PUBLISH_BATCH_SECONDS"]),
         publish_batch_max=int(relay["PUBLISH_BATCH_MAX"]),
+        publish_batch_concurrency=int(relay["PUBLISH_BATCH_CONCURRENCY"]),
         send_max_attempts=int(relay["SEND_MAX_ATTEMPTS"]),
         send_retry_base_seconds=float(relay["SEND_RETRY_BASE_SECONDS"]),
         send_retry_max_seconds=float(relay["SEND_RETRY_MAX_SECONDS"]),

@@ -229,7 +229,7 @@ def test_the_gateway_batcher_gathers_publishes_into_one_call():
         return answers[: len(publishes)]
 
     async def scenario() -> list[Verdict]:
-        batcher = PublishBatcher(run_blocking, window=0.05, limit=10)
+        batcher = PublishBatcher(run_blocking, limit=10, window=0.05)
         requests = [
             Publish(
                 component_id=1,
@@ -256,7 +256,7 @@ def test_the_gateway_batcher_flushes_at_its_limit_and_answers_wait_on_outages():
         return [Verdict.ACCEPTED] * len(publishes)
 
     async def scenario() -> list[Verdict]:
-        batcher = PublishBatcher(run_blocking, window=10.0, limit=2)  # the limit flushes
+        batcher = PublishBatcher(run_blocking, limit=2, window=10.0)  # the limit flushes
         publish = Publish(
             component_id=1, publishing_domain="d", node="n", secret="s", important=False
         )
@@ -265,6 +265,44 @@ def test_the_gateway_batcher_flushes_at_its_limit_and_answers_wait_on_outages():
     verdicts = asyncio.run(scenario())
     assert calls == [2, 2]
     assert verdicts == [Verdict.ACCEPTED] * 2 + [Verdict.UNAVAILABLE] * 2
+
+
+def test_the_gateway_batcher_sends_at_once_when_idle_and_gathers_while_a_batch_runs():
+    """No timer: a lone publish goes out in the same turn; those arriving while its call runs
+    wait for it and then go out together, in order."""
+    calls: list[list[str]] = []
+
+    async def scenario() -> tuple[list[Verdict], list[list[str]]]:
+        gate = asyncio.Event()
+
+        async def run_blocking(fn: Any, publishes: list[Publish]) -> list[Verdict]:
+            calls.append([p.node for p in publishes])
+            if len(calls) == 1:
+                await gate.wait()
+            return [Verdict.ACCEPTED] * len(publishes)
+
+        batcher = PublishBatcher(run_blocking, limit=10, concurrency=1)  # adaptive
+
+        def publish(node: str) -> Publish:
+            return Publish(
+                component_id=1, publishing_domain="d", node=node, secret="s", important=False
+            )
+
+        first = asyncio.ensure_future(batcher.accept(publish("a")))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert calls == [["a"]]  # out at once, nothing else in flight
+        later = [asyncio.ensure_future(batcher.accept(publish(n))) for n in ("b", "c", "d")]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert calls == [["a"]]  # gathering while the first call runs
+        gate.set()
+        verdicts = [await first, *(await asyncio.gather(*later))]
+        return verdicts, calls
+
+    verdicts, seen = asyncio.run(scenario())
+    assert verdicts == [Verdict.ACCEPTED] * 4
+    assert seen == [["a"], ["b", "c", "d"]]
 
 
 # --- the worker's batch task ---------------------------------------------------------------------

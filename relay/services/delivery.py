@@ -35,13 +35,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import functools
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
@@ -295,10 +297,34 @@ def deliver(job: queue.SendJob) -> Outcome:
     return deliver_many([job])[0]
 
 
+@functools.cache
+def _registrations_sql() -> tuple[str, tuple[str, ...]]:
+    """The batch's registrations by id, every column in the model's order, written once:
+    compiling the ORM query cost as much as running it for a batch of one."""
+    columns = tuple(field.attname for field in Registration._meta.concrete_fields)
+    table = connection.ops.quote_name(Registration._meta.db_table)
+    return f"SELECT {', '.join(columns)} FROM {table} WHERE id IN ", columns
+
+
+def _registration(columns: tuple[str, ...], row: tuple[Any, ...]) -> Registration:
+    """A Registration from a raw row (SQLite gives a raw cursor naive UTC times)."""
+    values = [
+        timezone.make_aware(value, UTC)
+        if isinstance(value, datetime) and timezone.is_naive(value)
+        else value
+        for value in row
+    ]
+    return Registration.from_db(connection.alias, columns, values)
+
+
 def _load_registrations(ids: set[int]) -> dict[int, Registration]:
     """The batch's registrations with their apps: two queries, and each app's credentials
     decrypted once per batch instead of once per row."""
-    registrations = Registration.objects.in_bulk(ids)
+    sql, columns = _registrations_sql()
+    with connection.cursor() as cursor:
+        cursor.execute(sql + f"({', '.join(['%s'] * len(ids))})", sorted(ids))
+        rows = cursor.fetchall()
+    registrations = {r.pk: r for r in (_registration(columns, row) for row in rows)}
     apps = App.objects.in_bulk({registration.app_id for registration in registrations.values()})
     for registration in registrations.values():
         registration.app = apps[registration.app_id]
@@ -441,7 +467,7 @@ def _write(book: Bookkeeping) -> None:
                 unique_fields=["push_id"],
                 update_fields=[*DEAD_LETTER_FIELDS, "replayed"],
             )
-        _record([Delivery(**row) for row in book.deliveries])
+        _record(book.deliveries)
 
 
 @contextlib.contextmanager
@@ -500,15 +526,49 @@ def _row(
     }
 
 
-def _record(rows: list[Delivery]) -> None:
-    """One row per push id: a redelivered or replayed push updates its row, never adds one."""
+_DELIVERY_FIELDS = (
+    "push_id",
+    "tenant",
+    "app",
+    "registration",
+    "provider",
+    "publishing_domain",
+    "priority",
+    "received",
+    "queued",
+    "sent",
+    "attempts",
+    "outcome",
+    "error_code",
+    "coalesced",
+)
+# The first record's priority and coalesced count stay: a redelivered copy of a coalesced
+# send no longer knows what was folded into it.
+_DELIVERY_UPDATED = ("sent", "attempts", "outcome", "error_code")
+
+
+def _record(rows: list[dict[str, Any]]) -> None:
+    """One row per push id: a redelivered or replayed push updates its row, never adds one.
+    One multi-row INSERT ... ON CONFLICT, its values prepared by the model's fields (as
+    bulk_create would), without building a model instance per row or compiling the query."""
     if not rows:
         return
-    Delivery.objects.bulk_create(
-        rows,
-        # The first record's priority and coalesced count stay: a redelivered copy of a
-        # coalesced send no longer knows what was folded into it.
-        update_conflicts=True,
-        unique_fields=["push_id"],
-        update_fields=["sent", "attempts", "outcome", "error_code"],
+    columns_of = [Delivery._meta.get_field(name) for name in _DELIVERY_FIELDS]
+    params: list[Any] = []
+    for row in rows:
+        for column in columns_of:
+            value = row[column.attname]  # type: ignore[union-attr]
+            if isinstance(value, enum.Enum):  # an Outcome: its value, as the model stores it
+                value = value.value
+            params.append(column.get_db_prep_save(value, connection))  # type: ignore[union-attr]
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(str(column.column)) for column in columns_of)  # type: ignore[union-attr]
+    placeholders = "(" + ", ".join(["%s"] * len(columns_of)) + ")"
+    updates = ", ".join(f"{quote(name)} = EXCLUDED.{quote(name)}" for name in _DELIVERY_UPDATED)
+    sql = (
+        f"INSERT INTO {quote(Delivery._meta.db_table)} ({columns}) VALUES "
+        f"{', '.join([placeholders] * len(rows))} "
+        f"ON CONFLICT ({quote('push_id')}) DO UPDATE SET {updates}"
     )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
