@@ -69,7 +69,7 @@ SUITE_DEFAULTS = env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_
 	VAR_DIR=$$(mktemp -d) $(BIN)/python -m pytest -m defaults $(RETRY) $(PYTEST_ARGS)
 # Servers named in TEST_DATABASE_URL / TEST_BROKER_URL would be shared by the slices (one test
 # database, one broker queue): then the PostgreSQL suite runs as one job.
-SLICES := 2
+SLICES := 3
 ifeq ($(TEST_DATABASE_URL)$(TEST_BROKER_URL),)
 POSTGRES_JOBS = $(foreach k,$(shell seq $(SLICES)),--job postgres-$(k) \
 	'TEST_DURATIONS_OUT=var/test-logs/durations-postgres-$(k).json $(SUITE_POSTGRES) --shard $(k)/$(SLICES)')

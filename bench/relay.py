@@ -149,9 +149,10 @@ def main() -> None:
     parser.add_argument(
         "--batching",
         choices=("timer", "adaptive"),
-        default="timer",
-        help="the gateway's publish batching (timer: the default; adaptive: no timer, one "
-        "batch call at a time, RELAY_PUBLISH_BATCH_SECONDS=0 RELAY_PUBLISH_BATCH_CONCURRENCY=1)",
+        default="adaptive",
+        help="the gateway's publish batching (adaptive: the default, no timer, one batch call "
+        "at a time; timer: a 2 ms window, RELAY_PUBLISH_BATCH_SECONDS=0.002 "
+        "RELAY_PUBLISH_BATCH_CONCURRENCY=0, the default before)",
     )
     args = parser.parse_args()
     rates = [int(r) for r in args.rate.split(",") if r.strip()]
@@ -250,6 +251,8 @@ def main() -> None:
             )
             if args.batching == "adaptive":
                 env.update(RELAY_PUBLISH_BATCH_SECONDS="0", RELAY_PUBLISH_BATCH_CONCURRENCY="1")
+            else:
+                env.update(RELAY_PUBLISH_BATCH_SECONDS="0.002", RELAY_PUBLISH_BATCH_CONCURRENCY="0")
             processes.append(
                 subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
             )

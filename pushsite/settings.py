@@ -342,12 +342,13 @@ RELAY = {
     # they are answered `wait` (resource-constraint).
     "LINK_MAX_IN_FLIGHT": env_int("RELAY_LINK_MAX_IN_FLIGHT", 1000),
     # Gateway: publishes gathered into one check-and-queue call (and one broker message per
-    # app), at most PUBLISH_BATCH_MAX: those arriving within PUBLISH_BATCH_SECONDS; or, with
-    # 0 seconds and a PUBLISH_BATCH_CONCURRENCY of 1 or more, adaptive batches without a
-    # timer (xmppgateway.gateway.PublishBatcher says why that is not the default yet).
-    "PUBLISH_BATCH_SECONDS": env_float("RELAY_PUBLISH_BATCH_SECONDS", 0.002),
+    # app), at most PUBLISH_BATCH_MAX. By default adaptive, without a timer (0 seconds, at most
+    # PUBLISH_BATCH_CONCURRENCY calls at once): what arrived while a call ran goes out when it
+    # ends. With PUBLISH_BATCH_SECONDS > 0: those arriving within that window of the first
+    # (xmppgateway.gateway.PublishBatcher).
+    "PUBLISH_BATCH_SECONDS": env_float("RELAY_PUBLISH_BATCH_SECONDS", 0.0),
     "PUBLISH_BATCH_MAX": 100,
-    "PUBLISH_BATCH_CONCURRENCY": env_int("RELAY_PUBLISH_BATCH_CONCURRENCY", 0),
+    "PUBLISH_BATCH_CONCURRENCY": env_int("RELAY_PUBLISH_BATCH_CONCURRENCY", 1),
     # Sending: retries with backoff for temporary provider errors.
     "SEND_MAX_ATTEMPTS": env_int("RELAY_SEND_MAX_ATTEMPTS", 8),
     "SEND_RETRY_BASE_SECONDS": env_float("RELAY_SEND_RETRY_BASE_SECONDS", 2.0),
