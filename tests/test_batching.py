@@ -17,7 +17,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from pushsite.celery import app as celery_app
-from relay import tasks
+from relay import redis_broker, tasks
 from relay.models import App, DeadLetter, Delivery, Registration, Service
 from relay.providers.base import Outcome, SendResult, Wakeup, send_each
 from relay.providers.fcm import FcmConfig, FcmProvider
@@ -194,7 +194,9 @@ def test_a_batch_the_broker_refuses_answers_all_wait_and_queues_nothing(
         raise OSError("connection refused")
 
     with monkeypatch.context() as patched:
+        # Both ways a message reaches the broker: Celery's, and the direct write on Redis.
         patched.setattr(celery_app, "send_task", broker_down)
+        patched.setattr(redis_broker.TaskPublisher, "publish", broker_down)
         verdicts = accept_publishes(
             [
                 publish_for(first),
