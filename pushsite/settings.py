@@ -349,6 +349,10 @@ RELAY = {
     "PUBLISH_BATCH_SECONDS": env_float("RELAY_PUBLISH_BATCH_SECONDS", 0.0),
     "PUBLISH_BATCH_MAX": 100,
     "PUBLISH_BATCH_CONCURRENCY": env_int("RELAY_PUBLISH_BATCH_CONCURRENCY", 1),
+    # Gateway: the per-minute publish tallies (reports) are summed in memory and written at
+    # most this often (seconds; 0: once per batch), and when the gateway stops. A gateway
+    # killed outright loses at most this long of tallies, never a push.
+    "TALLY_FLUSH_SECONDS": env_float("RELAY_TALLY_FLUSH_SECONDS", 1.0),
     # Sending: retries with backoff for temporary provider errors.
     "SEND_MAX_ATTEMPTS": env_int("RELAY_SEND_MAX_ATTEMPTS", 8),
     "SEND_RETRY_BASE_SECONDS": env_float("RELAY_SEND_RETRY_BASE_SECONDS", 2.0),

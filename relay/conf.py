@@ -41,6 +41,7 @@ class RelayConf:
     publish_batch_seconds: float
     publish_batch_max: int
     publish_batch_concurrency: int
+    tally_flush_seconds: float
     # Sending
     send_max_attempts: int
     send_retry_base_seconds: float
@@ -144,6 +145,7 @@ def build(source: Any = settings) -> RelayConf:
         publish_batch_seconds=float(relay["PUBLISH_BATCH_SECONDS"]),
         publish_batch_max=int(relay["PUBLISH_BATCH_MAX"]),
         publish_batch_concurrency=int(relay["PUBLISH_BATCH_CONCURRENCY"]),
+        tally_flush_seconds=float(relay["TALLY_FLUSH_SECONDS"]),
         send_max_attempts=int(relay["SEND_MAX_ATTEMPTS"]),
         send_retry_base_seconds=float(relay["SEND_RETRY_BASE_SECONDS"]),
         send_retry_max_seconds=float(relay["SEND_RETRY_MAX_SECONDS"]),

@@ -26,4 +26,11 @@ def send_queue():
     broker.purge()
 
 
+@pytest.fixture(autouse=True)
+def _tallies_written_per_batch(settings):
+    """Tests that publish in-process read the tallies at once; the gateway's default writes
+    them once a second (tests/test_lifecycle.py tests that, with its own interval)."""
+    settings.RELAY = {**settings.RELAY, "TALLY_FLUSH_SECONDS": 0}
+
+
 pytest_plugins = ["tests.support.fixtures", "tests.support.shards"]

@@ -16,6 +16,7 @@ from django.conf import settings
 
 from relay.identifiers import account_hash
 from relay.models import App, Component, ComponentLink, Delivery, Registration, Tenant
+from relay.report_models import PublishTally
 from tests.fakes.fcm import FakeFcm
 from tests.support.processes import start_gateway, start_worker, test_database_url, wait_until
 from tests.support.proxy import TcpProxy
@@ -132,6 +133,34 @@ def test_a_message_to_an_absent_user_wakes_the_phone_once(
     registration = Registration.objects.get(node=node)
     assert registration.account_domain == xmpp_server.domain
     assert phone.bare_jid not in repr(Registration.objects.values().get(node=node))
+
+
+def test_the_gateway_writes_its_publish_tallies_on_its_timer_and_when_it_stops(
+    prosody, relay_on, xmpp_client_factory
+):
+    """The tallies are summed in the gateway (RELAY_TALLY_FLUSH_SECONDS): the first publish
+    is written at once, the next ones by the timer, and what is left when it stops."""
+    relay = relay_on(prosody, RELAY_TALLY_FLUSH_SECONDS="5", RELAY_COALESCE_SECONDS="0")
+    phone = xmpp_client_factory(prosody, "phone")
+    friend = xmpp_client_factory(prosody, "friend")
+    node, secret = relay.register(phone, "fcm-token-tallies")
+    enable(phone, relay, node, secret)
+    phone.disconnect()
+
+    def accepted() -> int:
+        rows = PublishTally.objects.filter(verdict="accepted", tenant=relay.component.tenant)
+        return sum(row.count for row in rows)
+
+    friend.send_message(phone.bare_jid, "one")
+    wait_until(lambda: accepted() == 1, timeout=20)
+    friend.send_message(phone.bare_jid, "two")
+    relay.fake.wait_for_requests(2, timeout=30)
+    assert accepted() == 1  # summed, not written yet
+    wait_until(lambda: accepted() == 2, timeout=15)  # the timer
+    friend.send_message(phone.bare_jid, "three")
+    relay.fake.wait_for_requests(3, timeout=30)
+    relay.stop()
+    assert accepted() == 3  # written on the way out
 
 
 def test_a_wrong_secret_sends_nothing(xmpp_server, relay_on, xmpp_client_factory):

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.conf import settings
 from django.core.management import call_command
-from django.db import connection
+from django.db import OperationalError, connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -231,6 +231,47 @@ def test_every_verdict_of_a_batch_is_tallied_in_one_statement(component, send_qu
     with relay_settings(COALESCE_SECONDS=0):
         accept_publishes([_publish(component, None), _publish(component, None)])
     assert tally()[("", "localhost", "unknown-node")] == 3
+
+
+def test_tallies_are_summed_in_memory_and_written_once_per_interval(component, send_queue):
+    """At an everyday rate every gateway batch is one publish: its tally waits for the
+    interval, and one statement writes what the batches summed meanwhile."""
+    register(component, "tok-1")
+    registration = Registration.objects.get()
+    tallies.flush()
+    with relay_settings(TALLY_FLUSH_SECONDS=3600, COALESCE_SECONDS=0):
+        with CaptureQueriesContext(connection) as queries:
+            for _ in range(3):
+                accept_publishes([_publish(component, registration)])
+            accept_publishes([_publish(component, None)])
+        assert not [q for q in queries.captured_queries if "relay_publishtally" in q["sql"]]
+        assert tally() == {}
+        assert tallies.pending() == 4
+        with CaptureQueriesContext(connection) as queries:
+            tallies.flush()
+    assert len([q for q in queries.captured_queries if "relay_publishtally" in q["sql"]]) == 1
+    assert tally() == {("fcm", "localhost", "accepted"): 3, ("", "localhost", "unknown-node"): 1}
+    assert tallies.pending() == 0
+
+
+def test_tallies_the_database_refused_are_written_with_the_next_flush(component, monkeypatch):
+    register(component, "tok-1")
+    registration = Registration.objects.get()
+    real_write = tallies._write
+    tallies.flush()
+
+    def database_down(counts: object) -> None:
+        raise OperationalError("the database is restarting")
+
+    with relay_settings(TALLY_FLUSH_SECONDS=3600):
+        accept_publishes([_publish(component, registration)])
+        monkeypatch.setattr(tallies, "_write", database_down)
+        tallies.flush()
+        assert tallies.pending() == 1
+        monkeypatch.setattr(tallies, "_write", real_write)
+        accept_publishes([_publish(component, None)])
+        tallies.flush()
+    assert tally() == {("fcm", "localhost", "accepted"): 1, ("", "localhost", "unknown-node"): 1}
 
 
 def test_tallies_go_to_the_publish_minute(component):

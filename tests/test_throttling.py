@@ -20,6 +20,7 @@ from relay.services import queue, throttling
 from relay.services.publishing import Publish, Verdict, accept_publish, domain_allowed
 from relay.services.registrations import register_device
 from relay.services.throttling import Decision, Fold, Limit
+from relay.services.throttling.redis_store import RedisStore
 from tests.support.broker import queued_jobs_with_eta
 from tests.support.processes import wait_until
 
@@ -193,6 +194,36 @@ def test_coalescing_sends_once_then_folds_into_one_delayed_send(store):
     assert store.admit("", UNLIMITED, window, LONG_WINDOW, push_id(), Fold(False)).decision is (
         Decision.SCHEDULE
     )
+
+
+@pytest.fixture
+def redis_store():
+    with relay_settings(STATE_URL=settings.CELERY_BROKER_URL):
+        throttling.reset()
+        store = throttling._store()
+        assert isinstance(store, RedisStore), "needs CELERY_BROKER_URL=redis://"
+        yield store
+        throttling.reset()
+
+
+def test_admit_many_survives_redis_forgetting_its_scripts(redis_store):
+    """The batch path runs EVALSHA without asking SCRIPT EXISTS first: after a Redis restart
+    or SCRIPT FLUSH it loads the script again and decides as before, nothing decided twice."""
+    store = redis_store
+    window = new_key()
+    asks = [
+        throttling.Ask("", UNLIMITED, window, LONG_WINDOW, push_id(), Fold(False, n))
+        for n in (1, 2, 3)
+    ]
+    store._client.script_flush()
+    first, second, third = store.admit_many(asks)
+    assert (first.decision, second.decision) == (Decision.SEND, Decision.SCHEDULE)
+    assert (third.decision, third.push_id) == (Decision.FOLDED, asks[1].push_id)
+    store._client.script_flush()
+    [fourth] = store.admit_many(
+        [throttling.Ask("", UNLIMITED, window, LONG_WINDOW, push_id(), Fold(False, 4))]
+    )
+    assert (fourth.decision, fourth.push_id) == (Decision.FOLDED, asks[1].push_id)
 
 
 def test_silent_publishes_keep_their_counts_when_none_is_given(store):

@@ -34,7 +34,7 @@ from django.db import close_old_connections, connections
 from relay import conf
 from relay.models import Component, LinkState
 from relay.probes import ProbeServer
-from relay.services import health, link_leases, links, publishing
+from relay.services import health, link_leases, links, publishing, tallies
 from relay.services.publishing import Publish, Verdict
 from relay.services.queue import QueueUnavailable
 from xmppgateway.component import PushComponent
@@ -434,6 +434,18 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopped.wait(), timeout=WATCHDOG_SECONDS)
 
+    async def write_tallies(self) -> None:
+        """The publish tallies summed since the last batch that wrote them (relay/services/
+        tallies.py): written once they are due, so the last publishes of a burst are not held
+        until the next one."""
+        while not self.stopped.is_set():
+            wait = max(tallies.due_in(), WATCHDOG_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopped.wait(), timeout=wait)
+            if tallies.pending() and tallies.due_in() <= 0 and not self.stopped.is_set():
+                with contextlib.suppress(Unavailable):  # kept for the next round
+                    await self.run_blocking(tallies.flush)
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -448,12 +460,14 @@ class Gateway:
         log.info("gateway.started", extra={"gateway": self.name})
         unifiedpush = asyncio.create_task(self.unifiedpush.run(self.stopped), name="unifiedpush")
         watchdog = asyncio.create_task(self.watchdog(), name="lease-watchdog")
+        tally_writer = asyncio.create_task(self.write_tallies(), name="tally-writer")
         while not self.stopped.is_set():
             await self.sync_links()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopped.wait(), timeout=self.poll_seconds)
         await watchdog
         await self.shutdown(unifiedpush)
+        await tally_writer
         probes.stop()
 
     async def shutdown(self, unifiedpush: asyncio.Task[None] | None = None) -> None:
@@ -470,6 +484,9 @@ class Gateway:
             *([unifiedpush] if unifiedpush is not None else []),  # its last writes need
             return_exceptions=True,  # the executor closed below
         )
+        # The last publishes were answered: their tallies are written before the threads go.
+        with contextlib.suppress(Unavailable):
+            await self.run_blocking(tallies.flush)
         # Links closed: their leases go at once, the other gateways take them next round.
         try:
             released = await self.run_lease_call(link_leases.leave, gateway=self.name)
