@@ -73,3 +73,79 @@ def write_results(name: str, results: dict[str, Any]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
+
+
+class Profiler:
+    """py-spy on the processes of a phase (`--profile '<py-spy command>'`), and a summary of
+    where their GIL time went: the collapsed stacks in bench/results/<name>-<process>.folded,
+    and per process the functions holding the most samples (inclusive), for the JSON."""
+
+    def __init__(self, command: str, pids: dict[str, int]) -> None:
+        import shlex
+
+        self.argv = shlex.split(command)
+        self.pids = pids
+        self.running: list[tuple[str, Path, subprocess.Popen[bytes]]] = []
+
+    def start(self, phase: str) -> None:
+        if not self.argv:
+            return
+        for name, pid in self.pids.items():
+            out = ROOT / "bench" / "results" / f"{phase}-{name}.folded"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            argv = [*self.argv, "record", "-p", str(pid), "-o", str(out), "-r", "250"]
+            argv += ["-f", "raw", "--gil", "--nonblocking"]
+            spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.running.append((name, out, spy))
+        time.sleep(0.5)  # attached before the phase starts
+
+    def stop(self, top: int = 20) -> dict[str, Any]:
+        import signal
+
+        summary: dict[str, Any] = {}
+        for name, out, spy in self.running:
+            spy.send_signal(signal.SIGINT)
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+            if out.exists():
+                summary[name] = hottest(out.read_text(), top)
+        self.running.clear()
+        return {"profile_inclusive_share": summary} if summary else {}
+
+
+OWN_CODE = ("relay/", "xmppgateway/", "pushsite/")
+
+
+def hottest(folded: str, top: int) -> dict[str, float]:
+    """Share of the samples (inclusive) of the relay's own functions, and of the libraries its
+    deepest own frame was calling ("calls psycopg" ...): where the time goes, without the
+    thread and event-loop machinery every sample holds."""
+    from collections import Counter
+
+    counts: Counter[str] = Counter()
+    total = 0
+    for line in folded.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        total += int(n)
+        seen = set()
+        library = ""
+        for frame in stack.split(";"):
+            function, _, where = frame.partition(" (")
+            path = where.split(":")[0]
+            if path.startswith(OWN_CODE):
+                seen.add(f"{function} ({path})")
+                library = ""
+            elif seen and not library:
+                library = "calls " + path.split("/")[0].removesuffix(".py")
+        for key in seen | ({library} if library else set()):
+            counts[key] += int(n)
+        if not seen:
+            counts["outside the relay's code"] += int(n)
+    if not total:
+        return {}
+    shares = {key: round(n / total, 3) for key, n in counts.most_common(top)}
+    return shares | {"samples": total}

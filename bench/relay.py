@@ -7,7 +7,10 @@ Run with `make bench` (PostgreSQL and Redis on loopback). Options: --pushes, --w
 --workers, --concurrency. It also reports CPU per push and the busy fraction of each process
 (gateway, workers, fake FCM, this client, and all PostgreSQL and Redis server processes) over
 the measured run, to show which one holds throughput back. RELAY_BENCH_DB names the database
-it re-creates (default relay_bench), BENCH_FAKE_PORT the fake FCM's port.
+it re-creates (default relay_bench), BENCH_FAKE_PORT the fake FCM's port. `--profile
+py-spy` (py-spy is in the test extra) records the gateway and the workers in every phase and
+adds, per process, the share of GIL samples in the relay's own functions and in the libraries
+they call (bench/results/relay-<phase>-<process>.folded holds the stacks).
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import percentiles, prepare_database, start_workers, wait_http, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    Profiler,
+    percentiles,
+    prepare_database,
+    start_workers,
+    wait_http,
+    write_results,
+)
 from bench.component_server import PUBLISH, ComponentServer  # noqa: E402
 
 BENCH_DB = os.environ.get("RELAY_BENCH_DB", "relay_bench")
@@ -137,6 +147,13 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=5000)
     parser.add_argument("--window", type=int, default=256, help="publishes in flight")
     parser.add_argument("--workers", type=int, default=1, help="worker processes")
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="a py-spy command (e.g. 'py-spy'): the gateway and workers are recorded in each "
+        "phase (GIL samples), stacks in bench/results/relay-<phase>-<process>.folded and the "
+        "hottest functions in the JSON",
+    )
     parser.add_argument("--concurrency", type=int, default=32, help="threads per worker")
     parser.add_argument("--gateway-threads", type=int, default=16)
     parser.add_argument(
@@ -270,6 +287,7 @@ def main() -> None:
             for number, worker in enumerate(processes[2:]):
                 pids[f"worker_{number}"] = worker.pid
             accounting = Accounting(pids, server_pids(database_url, broker_url))
+            profiler = Profiler(args.profile, {k: v for k, v in pids.items() if k != "fake_fcm"})
             figures: dict[str, object] = {"load_average_before": os.getloadavg()}
             sent_to_fcm = len(warm)
             offset = len(warm)
@@ -280,6 +298,7 @@ def main() -> None:
                 ]
                 offset += closed_pushes
                 sent_to_fcm += len(batch)
+                profiler.start("relay-closed")
                 accounting.start()
                 started = time.perf_counter()
                 await server.publish_all(batch, window=args.window, timeout=600)
@@ -293,6 +312,7 @@ def main() -> None:
                     "pushes_per_second_end_to_end": round(len(batch) / (finished - started), 1),
                 }
                 closed |= accounting.stop(len(batch))
+                closed |= profiler.stop()
                 closed |= await latencies(server, fake_url, batch)
                 figures["closed_loop"] = closed
                 report("closed loop", closed)
@@ -304,6 +324,7 @@ def main() -> None:
                 ]
                 offset += size
                 sent_to_fcm += len(batch)
+                profiler.start(f"relay-{rate}")
                 accounting.start()
                 started = time.perf_counter()
                 behind = await server.publish_paced(batch, rate=rate, timeout=60)
@@ -319,6 +340,7 @@ def main() -> None:
                     "generator_max_behind_ms": round(behind * 1000, 2),
                 }
                 phase |= accounting.stop(len(batch))
+                phase |= profiler.stop()
                 phase |= await latencies(server, fake_url, batch)
                 open_loop.append(phase)
                 report(f"open loop {rate}/s", phase)
@@ -443,6 +465,10 @@ def report(name: str, figures: dict[str, object]) -> None:
         f"(others {figures['machine_busy_cores_others']}); load {figures['load_average']}",
         flush=True,
     )
+    profiles = figures.get("profile_inclusive_share")
+    if isinstance(profiles, dict):
+        for process, shares in profiles.items():
+            print(f"  profile {process}: {shares}", flush=True)
 
 
 def wait_fake_count(fake_url: str, count: int, timeout: float, *, strict: bool = True) -> int:
