@@ -33,4 +33,4 @@ def _tallies_written_per_batch(settings):
     settings.RELAY = {**settings.RELAY, "TALLY_FLUSH_SECONDS": 0}
 
 
-pytest_plugins = ["tests.support.fixtures", "tests.support.shards"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.shards", "tests.support.traces"]

@@ -6,7 +6,8 @@ Why: `make test` runs slices of the PostgreSQL suite and the embedded-defaults s
 same time (see tests/support/shards.py), and one failure must never hide another. Each line a
 job prints is shown as it comes, prefixed with the job's name; the job's whole output is also
 kept in var/test-logs/NAME.log; at the end a summary gives every job's exit status, its wall
-time and its last line (pytest's tally), then every test a job reported as failed, in error or
+time and its last line (pytest's tally), then the end of every failed or retried test's
+traceback (tests/support/traces.py), then every test a job reported as failed, in error or
 retried (pytest's short summary lines), so a failure shows even where only the end of the
 output is kept; the exit status is non-zero if any job failed.
 """
@@ -27,6 +28,9 @@ LOGS = Path("var/test-logs")
 # pytest's short test summary: "FAILED tests/x.py::test - why", "ERROR tests/x.py::test - why",
 # and "RERUN tests/x.py::test" for a test that failed once (pytest-rerunfailures).
 FAILURE = re.compile(r"^(FAILED|ERROR|RERUN) \S+")
+# The end of each such test's traceback (tests/support/traces.py).
+TRACE = re.compile(r"^TRACE \S+ \| ")
+TRACES_PER_JOB = 90
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     last_line: str = ""
     failures: list[str] = field(default_factory=list)
+    traces: list[str] = field(default_factory=list)
     status: int | None = None
     seconds: float = 0.0
 
@@ -51,6 +56,8 @@ def follow(job: Job, process: subprocess.Popen[bytes], lock: threading.Lock) -> 
                 job.last_line = line.strip()
             if FAILURE.match(line):
                 job.failures.append(line.strip())
+            elif TRACE.match(line):
+                job.traces.append(line.rstrip())
             with lock:
                 sys.stdout.write(f"[{job.name}] {line}\n")
                 sys.stdout.flush()
@@ -75,6 +82,11 @@ def run(jobs: list[Job]) -> int:
     for thread in threads:
         thread.join()
     print("\n== summary ==")
+    for job in jobs:
+        for trace in job.traces[:TRACES_PER_JOB]:
+            print(f"{job.name}: {trace[:400]}")
+        if len(job.traces) > TRACES_PER_JOB:
+            print(f"{job.name}: ... {len(job.traces) - TRACES_PER_JOB} more TRACE lines in its log")
     for job in jobs:
         verdict = "ok" if job.status == 0 else f"FAILED (exit {job.status})"
         print(f"{job.name}: {verdict} in {job.seconds:.0f} s -- {job.last_line}")
