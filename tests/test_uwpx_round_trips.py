@@ -49,6 +49,7 @@ def statements(monkeypatch) -> list[str]:
     return sent
 
 
+@pytest.mark.defaults
 @pytest.mark.django_db
 def test_a_known_app_costs_no_statement_and_a_new_device_is_one(app, statements):
     uwpx.app_for_key(public_key=app.public_key)  # the first request reads it
@@ -59,6 +60,7 @@ def test_a_known_app_costs_no_statement_and_a_new_device_is_one(app, statements)
     assert WnsDevice.objects.filter(app=app).count() == 1
 
 
+@pytest.mark.defaults
 @pytest.mark.django_db
 def test_a_suspension_counts_from_the_next_request_on(app):
     kept = uwpx.app_for_key(public_key=app.public_key)
@@ -79,6 +81,7 @@ def test_a_suspension_counts_from_the_next_request_on(app):
     assert WnsDevice.objects.count() == 1
 
 
+@pytest.mark.defaults
 @pytest.mark.django_db
 def test_a_removed_app_is_unknown_at_once(app):
     kept = uwpx.app_for_key(public_key=app.public_key)
@@ -92,6 +95,7 @@ def test_a_removed_app_is_unknown_at_once(app):
     assert refused.value.kind is ErrorKind.UNKNOWN_APP
 
 
+@pytest.mark.defaults
 @pytest.mark.django_db
 def test_narrowed_channel_hosts_refuse_a_channel_the_kept_app_allowed(app):
     kept = uwpx.app_for_key(public_key=app.public_key)
