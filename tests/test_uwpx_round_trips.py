@@ -391,3 +391,26 @@ def test_a_batch_leaves_what_it_cannot_write_plainly_to_each_request_alone(app):
         == 1
     )
     assert Registration.objects.count() == 2 + 1 + 1
+
+
+@pytest.mark.defaults
+@pytest.mark.django_db
+def test_a_database_error_on_a_live_kept_connection_is_raised_not_retried():
+    """Only a connection that died is replaced: a locked SQLite file, a statement timeout or
+    the like is the caller's error, once."""
+    connection.ensure_connection()
+    wrapper = connection
+    enabled, done = wrapper.health_check_enabled, wrapper.health_check_done
+    wrapper.health_check_enabled, wrapper.health_check_done = True, False
+    runs = []
+
+    def failing():
+        runs.append(1)
+        raise OperationalError("database is locked")
+
+    try:
+        with pytest.raises(OperationalError, match="locked"):
+            uwpx._on_live_connection(failing)
+    finally:
+        wrapper.health_check_enabled, wrapper.health_check_done = enabled, done
+    assert runs == [1]

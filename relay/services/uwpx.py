@@ -386,7 +386,8 @@ def _on_live_connection(action: Callable[[], T]) -> T:
     try:
         return action()
     except (OperationalError, InterfaceError):
-        if not kept.closed and not getattr(kept, "broken", False):
+        # psycopg's connection says whether it died; SQLite's has no such state: raise.
+        if not getattr(kept, "closed", False) and not getattr(kept, "broken", False):
             raise
         connection.close()
         log.info("uwpx.database_reconnected")
