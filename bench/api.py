@@ -15,7 +15,8 @@ would cost more CPU than the server it measures). Prints and writes bench/result
 
 Run with `.venv/bin/python -m tests.support.services -- .venv/bin/python bench/api.py`
 (or DATABASE_URL and CELERY_BROKER_URL pointing at PostgreSQL and Redis). Options: --devices,
---accounts, --concurrency, --web-workers, --web-threads, --profile (a py-spy command: each
+--accounts, --concurrency, --web-workers, --web-threads, --reconnect (a new connection per
+device, as Windows clients connect), --profile (a py-spy command: each
 worker is recorded in each phase, collapsed stacks in bench/results/api-*.folded).
 """
 
@@ -154,8 +155,14 @@ class Connection:
         self.reader = self.writer = None
 
 
-async def run_phase(base_url: str, requests: list[list[dict]], concurrency: int) -> dict:
-    """Each item is one device's sequence of messages, sent in order; devices run in parallel."""
+async def run_phase(
+    base_url: str, requests: list[list[dict]], concurrency: int, *, reconnect: bool = False
+) -> dict:
+    """Each item is one device's sequence of messages, sent in order; devices run in parallel.
+
+    `reconnect`: each device on a connection of its own, as Windows clients connect: kept-alive
+    connections stay with the gunicorn worker that accepted them, and 32 of them can all land
+    on one worker (its GIL then bounds the run while the other idles)."""
     split = urlsplit(base_url)
     host, port, path = split.hostname or "127.0.0.1", split.port or 80, split.path
     latencies: dict[str, list[float]] = {}
@@ -176,6 +183,8 @@ async def run_phase(base_url: str, requests: list[list[dict]], concurrency: int)
                         if len(errors) == 1 and errors[key] == 1:
                             print(f"first error: {status} {answer[:300]!r}", file=sys.stderr)
                         break
+                if reconnect:
+                    connection.close()
         finally:
             connection.close()
 
@@ -200,6 +209,7 @@ def measured(
     concurrency: int,
     pids: dict[str, int],
     profile: str,
+    reconnect: bool = False,
 ) -> dict:
     """One phase with the CPU of every process and the machine's load around it."""
     web_workers = child_pids(pids["web"])
@@ -235,7 +245,7 @@ def measured(
     load_before = os.getloadavg()
     busy_before = machine_busy()
     before = snapshot()
-    result = asyncio.run(run_phase(base_url, requests, concurrency))
+    result = asyncio.run(run_phase(base_url, requests, concurrency, reconnect=reconnect))
     after = snapshot()
     busy_after = machine_busy()
     for spy in spies:
@@ -269,6 +279,11 @@ def main() -> None:
     parser.add_argument("--web-workers", type=int, default=2, help="gunicorn workers")
     parser.add_argument("--web-threads", type=int, default=16, help="threads per worker")
     parser.add_argument("--profile", default="", help="py-spy command to record workers with")
+    parser.add_argument(
+        "--reconnect",
+        action="store_true",
+        help="a new connection per device (as Windows clients), not one kept per client slot",
+    )
     args = parser.parse_args()
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
@@ -354,7 +369,15 @@ def main() -> None:
         asyncio.run(run_phase(base_url, warm, args.concurrency))
         asyncio.run(run_phase(base_url, [seq[1:] for seq in warm], args.concurrency))
         devices = [device(i, "b") for i in range(args.devices)]
-        first = measured("registration", base_url, devices, args.concurrency, pids, args.profile)
+        first = measured(
+            "registration",
+            base_url,
+            devices,
+            args.concurrency,
+            pids,
+            args.profile,
+            args.reconnect,
+        )
         again = measured(
             "re_registration",
             base_url,
@@ -362,6 +385,7 @@ def main() -> None:
             args.concurrency,
             pids,
             args.profile,
+            args.reconnect,
         )
     finally:
         web.terminate()
@@ -381,6 +405,7 @@ def main() -> None:
         "registration": first,
         "re_registration": again,
         "concurrency": args.concurrency,
+        "reconnect": args.reconnect,
         "web_workers": args.web_workers,
         "web_threads": args.web_threads,
         "database": "postgresql",

@@ -136,7 +136,7 @@ def test_group_commit_with_a_gather_window_answers_each_item_its_own_result():
     and a failed batch fails every item in it."""
     import threading
 
-    from relay.services.unifiedpush.groupcommit import GroupCommit
+    from relay.services.groupcommit import GroupCommit
 
     batches: list[int] = []
 

@@ -21,15 +21,23 @@ import hmac
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.core.cache import caches
 from django.core.cache.backends.redis import RedisCache
-from django.db import IntegrityError, connection, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connection,
+    transaction,
+)
 from django.utils import timezone
 from slixmpp.jid import JID, InvalidJID
 
@@ -37,6 +45,7 @@ from relay import conf
 from relay.identifiers import new_node, new_secret
 from relay.models import App, Component, Registration, Service, Tenant, WnsDevice
 from relay.services import channels, lifecycle, queue, test_push
+from relay.services.groupcommit import GroupCommit
 
 log = logging.getLogger(__name__)
 
@@ -301,8 +310,23 @@ def check_device_rate(*, device_id: str, action: str) -> None:
 def app_for_key(*, public_key: str) -> App:
     """The app named in the URL (or configured for the listener); refuses a suspended tenant.
 
-    One plain statement: it runs for every request, and the ORM's query building cost more
-    than the query (the credentials are not read: each one would be decrypted)."""
+    Kept per process once found: every request named its app and read it again, a round trip
+    of its own. The actions' first statement checks that the app is still as kept (`_CURRENT`:
+    same row, channel hosts, tenant not suspended) and read it afresh when not
+    (`_app_changed`), so a suspension or a new host list counts from the next request on, as
+    before. Only apps that exist are kept: no one can fill the memory with made-up keys."""
+    app = _apps.get(public_key) if isinstance(public_key, str) else None
+    return app if app is not None else _load_app(public_key)
+
+
+_apps: dict[str, App] = {}
+
+
+def _load_app(public_key: str) -> App:
+    """One plain statement (the ORM's query building cost more than the query; credentials
+    are not read: each one would be decrypted)."""
+    if isinstance(public_key, str):
+        _apps.pop(public_key, None)
     row = None
     if isinstance(public_key, str) and _APP_KEY.fullmatch(public_key):
         row = _fetchone(_APP_SQL, [public_key])
@@ -310,7 +334,64 @@ def app_for_key(*, public_key: str) -> App:
         raise UwpxError(ErrorKind.UNKNOWN_APP, "Unknown app key.")
     if row[4]:
         raise UwpxError(ErrorKind.UNAVAILABLE, "This push service is suspended; try again later.")
-    return App.from_db(connection.alias, list(_APP_FIELDS), list(row[:4]))
+    app = App.from_db(connection.alias, list(_APP_FIELDS), list(row[:4]))
+    _apps[public_key] = app
+    return app
+
+
+def _app_params(app: App) -> list[object]:
+    return [app.pk, app.tenant_id, app.public_key, app.wns_channel_hosts]
+
+
+def _app_changed(app: App) -> App | None:
+    """After a statement guarded by `_CURRENT` found nothing: the app as it is now when it
+    changed (UwpxError when it is gone or suspended), None when it is as kept (so the row
+    itself was missing)."""
+    fresh = _load_app(app.public_key)
+    return None if _app_params(fresh) == _app_params(app) else fresh
+
+
+class _AppChanged(Exception):
+    """The kept app no longer matches its row: the request runs again with the fresh one."""
+
+    def __init__(self, app: App) -> None:
+        super().__init__("app changed")
+        self.app = app
+
+
+T = TypeVar("T")
+
+
+def _on_live_connection(action: Callable[[], T]) -> T:
+    """Run `action` (a whole transaction, or statements each committed on its own), once
+    more on a new connection when the kept one turns out dead at the request's first use.
+
+    Django checks a kept connection with a `SELECT 1` before each request's first statement
+    (CONN_HEALTH_CHECKS): a round trip per request for a connection that is nearly always
+    alive. Here the request's own first statement is the check, and a connection found dead
+    (the server restarted, a proxy dropped it) is replaced and the action run again, which is
+    safe: nothing of a dead connection's open transaction was committed, and the actions are
+    idempotent (a lost commit's answer is read back by the second run). A failure on a fresh
+    or already used connection is the database's trouble and is raised as before."""
+    wrapper: Any = connection  # Django's health-check flags are not in its stubs
+    unchecked = (
+        wrapper.connection is not None
+        and wrapper.health_check_enabled
+        and not wrapper.health_check_done
+    )
+    if not unchecked:
+        return action()
+    wrapper.health_check_done = True
+    kept = connection.connection  # Django may have opened another by the time it raises
+    try:
+        return action()
+    except (OperationalError, InterfaceError):
+        # psycopg's connection says whether it died; SQLite's has no such state: raise.
+        if not getattr(kept, "closed", False) and not getattr(kept, "broken", False):
+            raise
+        connection.close()
+        log.info("uwpx.database_reconnected")
+        return action()
 
 
 def push_component(*, app: App) -> Component | None:
@@ -345,15 +426,24 @@ _APP_SQL = (
 _DEVICES = WnsDevice._meta.db_table
 _REGISTRATIONS = Registration._meta.db_table
 _COMPONENTS = Component._meta.db_table
-# Creates the device unless it exists (then nothing: no row returned).
+# The app kept by app_for_key is still its row as it is: id, tenant, key, channel hosts, and
+# its tenant not suspended (params: _app_params). Part of each action's first statement.
+_CURRENT = (
+    f"EXISTS (SELECT 1 FROM {App._meta.db_table} ca JOIN {Tenant._meta.db_table} ct"
+    f" ON ct.id = ca.tenant_id WHERE ca.id = %s AND ca.tenant_id = %s AND ca.public_key = %s"
+    f" AND ca.wns_channel_hosts = %s AND NOT ct.suspended)"
+)
+# Creates the device unless it exists or the app changed (then nothing: no row returned).
 _NEW_DEVICE_SQL = (
     f"INSERT INTO {_DEVICES} (app_id, device_id_hash, channel_uri, created, updated)"
-    f" VALUES (%s, %s, %s, %s, %s) ON CONFLICT (app_id, device_id_hash) DO NOTHING RETURNING id"
+    f" SELECT %s, %s, %s, %s, %s WHERE {_CURRENT}"
+    f" ON CONFLICT (app_id, device_id_hash) DO NOTHING RETURNING id"
 )
 # Locks the device row until commit (an UPDATE does, on both databases) and records the sign
 # of life; the push component comes along in the same statement.
 _TOUCH_DEVICE_SQL = (
     f"UPDATE {_DEVICES} SET updated = %s WHERE app_id = %s AND device_id_hash = %s"
+    f" AND {_CURRENT}"
     f" RETURNING id, channel_uri, device_id_hash,"
     f" (SELECT c.id FROM {_COMPONENTS} c WHERE c.app_id = %s AND c.enabled = %s"
     f"  ORDER BY c.id LIMIT 1) AS push_component_id,"
@@ -362,7 +452,7 @@ _TOUCH_DEVICE_SQL = (
 )
 _SET_CHANNEL_SQL = (
     f"UPDATE {_DEVICES} SET channel_uri = %s, updated = %s"
-    f" WHERE app_id = %s AND device_id_hash = %s RETURNING id"
+    f" WHERE app_id = %s AND device_id_hash = %s AND {_CURRENT} RETURNING id"
 )
 _MINE_SQL = (
     f"SELECT id, device_hash, node, secret, account_domain, token, dead_since, component_id"
@@ -472,24 +562,54 @@ def set_channel_uri(*, app: App, device_id: str, channel_uri: str) -> None:
     updates the device and renews its registrations together.
     """
     validate_device_id(device_id)
-    validate_channel_uri(app=app, channel_uri=channel_uri)
     digest = device_id_hash(device_id)
+    for _ in range(2):
+        try:
+            validate_channel_uri(app=app, channel_uri=channel_uri)
+        except UwpxError:
+            changed = _app_changed(app)  # the kept hosts may be older than the app's
+            if changed is None:
+                raise
+            app = changed
+            continue
+        created = (
+            _channel_group.submit(_ChannelItem(app, digest, channel_uri)) if _grouped() else None
+        )
+        if created is None:
+            created = _on_live_connection(
+                partial(_store_channel, app=app, digest=digest, channel_uri=channel_uri)
+            )
+        if created is not None:
+            break
+        changed = _app_changed(app)
+        if changed is None:  # removed since the insert found it: the client sends again
+            raise UwpxError(ErrorKind.UNAVAILABLE, "The device changed meanwhile; try again.")
+        app = changed
+    else:
+        raise UwpxError(ErrorKind.UNAVAILABLE, "The app changed meanwhile; try again.")
+    log.info("uwpx.channel_uri_set", extra={"app": app.pk, "new_device": created})
+
+
+def _store_channel(*, app: App, digest: str, channel_uri: str) -> bool | None:
+    """True: a new device; False: a known one updated; None: nothing done (the app is not
+    as kept, or the device vanished between the two statements)."""
     now = timezone.now()
     at = _db_time(now)
-    created = _fetchone(_NEW_DEVICE_SQL, [app.pk, digest, channel_uri, at, at]) is not None
-    if not created:
-        with transaction.atomic():
-            row = _fetchone(_SET_CHANNEL_SQL, [channel_uri, at, app.pk, digest])
-            if row is None:  # removed since the insert found it: the client sends again
-                raise UwpxError(ErrorKind.UNAVAILABLE, "The device changed meanwhile; try again.")
-            lifecycle.renew_logged(
-                Registration.objects.filter(wns_device_id=row[0]),
-                token=channel_uri,
-                dead_since=None,
-                updated=now,
-                at=now,
-            )
-    log.info("uwpx.channel_uri_set", extra={"app": app.pk, "new_device": created})
+    current = _app_params(app)
+    if _fetchone(_NEW_DEVICE_SQL, [app.pk, digest, channel_uri, at, at, *current]) is not None:
+        return True
+    with transaction.atomic():
+        row = _fetchone(_SET_CHANNEL_SQL, [channel_uri, at, app.pk, digest, *current])
+        if row is None:
+            return None
+        lifecycle.renew_logged(
+            Registration.objects.filter(wns_device_id=row[0]),
+            token=channel_uri,
+            dead_since=None,
+            updated=now,
+            at=now,
+        )
+    return False
 
 
 def set_accounts(*, app: App, device_id: str, accounts: Sequence[AccountRef]) -> AccountsAnswer:
@@ -500,16 +620,35 @@ def set_accounts(*, app: App, device_id: str, accounts: Sequence[AccountRef]) ->
     """
     validate_device_id(device_id)
     wanted = _resolve_accounts(device_id=device_id, accounts=accounts)
-    for attempt in range(3):
+
+    def store(app: App) -> AccountsAnswer:
+        with transaction.atomic():
+            return _store_accounts(app=app, device_id=device_id, wanted=wanted)
+
+    grouped = (
+        _accounts_group.submit(_AccountsItem(app, device_id_hash(device_id), wanted))
+        if _grouped()
+        else None
+    )
+    attempt = 0
+    while grouped is None:
         try:
-            with transaction.atomic():
-                answer = _store_accounts(app=app, device_id=device_id, wanted=wanted)
+            grouped = _on_live_connection(partial(store, app))
             break
         except IntegrityError:
             # A new node collided (72 random bits: astronomically rare) or a concurrent
             # request for the same account won a race: try the whole change again.
-            if attempt == 2:
+            attempt += 1
+            if attempt == 3:
                 raise
+        except _AppChanged as changed:
+            attempt += 1
+            if attempt == 3:
+                raise UwpxError(
+                    ErrorKind.UNAVAILABLE, "The app changed meanwhile; try again."
+                ) from None
+            app = changed.app
+    answer = grouped
     log.info(
         "uwpx.accounts_set",
         extra={"app": app.pk, "accounts": len(answer.accounts)},
@@ -525,19 +664,26 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
     digest = device_id_hash(device_id)
     now = timezone.now()
     at = _db_time(now)
-    touch = [at, app.pk, digest, app.pk, True, app.pk, True]
+    touch = [at, app.pk, digest, *_app_params(app), app.pk, True, app.pk, True]
     if connection.vendor == "postgresql":
         rows = _fetchall(_TOUCH_AND_READ_SQL, touch)
         mine_rows = [r[5:] for r in rows if r[5] is not None]
     else:
         rows = _fetchall(_TOUCH_DEVICE_SQL, touch)
         mine_rows = _fetchall(_MINE_SQL, [rows[0][0]]) if rows else []
+    if not rows:
+        changed = _app_changed(app)  # UwpxError when it is gone or suspended
+        if changed is not None:
+            raise _AppChanged(changed)
     if not rows or not hmac.compare_digest(rows[0][2], digest):
         raise UwpxError(ErrorKind.UNKNOWN_DEVICE, UNKNOWN_DEVICE)
     device_pk, channel_uri, _, component_id, component_jid = rows[0][:5]
     if wanted and component_id is None:
         raise UwpxError(ErrorKind.UNAVAILABLE, "This app has no push component configured yet.")
     if wanted and not channels.wns_channel_sendable(app=app, channel_uri=channel_uri):
+        changed = _app_changed(app)  # the kept hosts may be older than the app's
+        if changed is not None:
+            raise _AppChanged(changed)
         # The app's channel hosts changed since the channel was set: accounts registered now
         # would only collect dead letters.
         raise UwpxError(
@@ -618,21 +764,330 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
     if new:
         _insert_registrations(new, at=at)
         lifecycle.created(new, at=now, tenant_id=app.tenant_id)
-    created = {reg.device_hash: reg for reg in new}
+    return _answer(wanted, existing, {reg.device_hash: reg for reg in new}, component_jid)
+
+
+def _answer(
+    wanted: list[_Wanted],
+    existing: dict[str, _Mine],
+    created: dict[str, Registration],
+    component_jid: str | None,
+) -> AccountsAnswer:
     answers = []
     for item in wanted:
-        mine = existing.get(item.device_hash)
-        reg = mine or created[item.device_hash]
-        node, secret = reg.node, reg.secret
+        reg = existing.get(item.device_hash) or created[item.device_hash]
         answers.append(
             AccountAnswer(
                 bare_jid=item.ref.bare_jid,
                 account_id=item.device_hash,
-                node=node,
-                secret=secret,
+                node=reg.node,
+                secret=reg.secret,
             )
         )
     return AccountsAnswer(push_bare_jid=component_jid or "", accounts=answers)
+
+
+# --- group commit (PostgreSQL) ------------------------------------------------------------------
+# The Windows clients' two hot requests, made by a process's threads at the same moment, share
+# their statements and one commit (relay.services.groupcommit): a batch of re-registrations
+# is BEGIN, one read that locks every device, one write, COMMIT, whatever its size; first
+# registrations add the check that no account id is taken and the lifecycle events, and new
+# devices are one INSERT for the batch. Each thread answers only once the batch committed.
+# Only the plain cases are written in a batch: a request that would change or remove
+# accounts, meet an error or a race, or repeat a device of the batch is left to its own
+# transaction (the functions above), so every error and every rarer change stays on the one
+# path that has always answered them. Errors of a whole batch (a deadlock, a collision of two
+# new accounts) send every request of it to its own path too: a batch never answers with an
+# error of another request's making.
+
+_UNNEST_APPS = "%s::bigint[], %s::bigint[], %s::text[], %s::text[]"
+_BATCH_CURRENT = (
+    f"EXISTS (SELECT 1 FROM {App._meta.db_table} ca JOIN {Tenant._meta.db_table} ct"
+    f" ON ct.id = ca.tenant_id WHERE ca.id = w.app_id AND ca.tenant_id = w.tenant_id"
+    f" AND ca.public_key = w.public_key AND ca.wns_channel_hosts = w.hosts AND NOT ct.suspended)"
+)
+_BATCH_NEW_DEVICES_SQL = (
+    f"INSERT INTO {_DEVICES} (app_id, device_id_hash, channel_uri, created, updated)"
+    f" SELECT w.app_id, w.device_hash, w.channel, %s, %s"
+    f" FROM unnest({_UNNEST_APPS}, %s::text[], %s::text[])"
+    f" AS w(app_id, tenant_id, public_key, hosts, device_hash, channel)"
+    f" WHERE {_BATCH_CURRENT}"
+    f" ON CONFLICT (app_id, device_id_hash) DO NOTHING RETURNING app_id, device_id_hash"
+)
+# Locks the devices in id order (two batches never wait on each other in a circle).
+_BATCH_READ_SQL = (
+    f"WITH w AS (SELECT * FROM unnest({_UNNEST_APPS}, %s::text[], %s::int[])"
+    f" AS w(app_id, tenant_id, public_key, hosts, device_hash, ord)),"
+    f" d AS (SELECT w.ord, dv.id, dv.channel_uri, dv.device_id_hash, dv.app_id"
+    f" FROM w JOIN {_DEVICES} dv ON dv.app_id = w.app_id AND dv.device_id_hash = w.device_hash"
+    f" WHERE {_BATCH_CURRENT} ORDER BY dv.id FOR UPDATE OF dv)"
+    f" SELECT d.ord, d.id, d.channel_uri, d.device_id_hash,"
+    f" (SELECT c.id FROM {_COMPONENTS} c WHERE c.app_id = d.app_id AND c.enabled"
+    f"  ORDER BY c.id LIMIT 1),"
+    f" (SELECT c.jid FROM {_COMPONENTS} c WHERE c.app_id = d.app_id AND c.enabled"
+    f"  ORDER BY c.id LIMIT 1),"
+    f" r.id, r.device_hash, r.node, r.secret, r.account_domain, r.token, r.dead_since,"
+    f" r.component_id"
+    f" FROM d LEFT JOIN {_REGISTRATIONS} r ON r.wns_device_id = d.id"
+)
+_BATCH_TAKEN_SQL = (
+    f"SELECT app_id, device_hash, wns_device_id FROM {_REGISTRATIONS}"
+    f" WHERE service = %s AND room_hash = '' AND device_hash = ANY(%s::text[])"
+)
+# The devices touched, the kept registrations renewed (only those still as read: same token,
+# alive), the new ones inserted: one statement.
+_BATCH_WRITE_SQL = (
+    f"WITH t AS (UPDATE {_DEVICES} SET updated = %s WHERE id = ANY(%s::bigint[]) RETURNING id),"
+    f" r AS (UPDATE {_REGISTRATIONS} g SET component_id = v.component_id, updated = %s"
+    f" FROM unnest(%s::bigint[], %s::bigint[], %s::text[]) AS v(id, component_id, token)"
+    f" WHERE g.id = v.id AND g.token = v.token AND g.dead_since IS NULL RETURNING g.id),"
+    f" i AS (INSERT INTO {_REGISTRATIONS} (app_id, component_id, service, wns_device_id,"
+    f" device_hash, room_hash, account_domain, token, node, secret, created, updated)"
+    f" SELECT n.app_id, n.component_id, %s, n.device_id, n.device_hash, '', n.domain, n.token,"
+    f" n.node, n.secret, %s, %s FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[],"
+    f" %s::text[], %s::text[], %s::text[], %s::text[], %s::text[])"
+    f" AS n(app_id, component_id, device_id, device_hash, domain, token, node, secret)"
+    f" RETURNING id, wns_device_id, device_hash)"
+    f" SELECT 0, id, '' FROM r UNION ALL SELECT wns_device_id, id, device_hash FROM i"
+)
+
+
+def _grouped() -> bool:
+    """Batches run on the thread that leads them, on its connection: only outside any
+    transaction of the caller's, and on PostgreSQL (arrays, data-modifying CTEs)."""
+    return connection.vendor == "postgresql" and not connection.in_atomic_block
+
+
+def _apps_columns(apps: Sequence[App]) -> list[list[object]]:
+    return [list(column) for column in zip(*(_app_params(app) for app in apps), strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class _ChannelItem:
+    app: App
+    digest: str
+    channel_uri: str
+
+
+def _write_new_devices(items: Sequence[_ChannelItem]) -> list[bool | None]:
+    """True for each device created; None: not created here (known device, changed app)."""
+
+    def insert() -> set[tuple[int, str]]:
+        at = _db_time(timezone.now())
+        rows = _fetchall(
+            _BATCH_NEW_DEVICES_SQL,
+            [
+                at,
+                at,
+                *_apps_columns([item.app for item in items]),
+                [item.digest for item in items],
+                [item.channel_uri for item in items],
+            ],
+        )
+        return {(row[0], row[1]) for row in rows}
+
+    created = _on_live_connection(insert)
+    results: list[bool | None] = []
+    for item in items:
+        key = (item.app.pk, item.digest)
+        results.append(True if key in created else None)
+        created.discard(key)  # the same device twice: the second one on its own path
+    return results
+
+
+_channel_group: GroupCommit[_ChannelItem, bool | None] = GroupCommit(_write_new_devices)
+
+
+@dataclass(frozen=True, slots=True)
+class _AccountsItem:
+    app: App
+    digest: str
+    wanted: list[_Wanted]
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What the batch writes for one request, and its answer once written."""
+
+    item: _AccountsItem
+    device_pk: int
+    channel_uri: str
+    component_id: int
+    component_jid: str
+    existing: dict[str, _Mine]
+    new: list[Registration]
+
+
+def _write_accounts(items: Sequence[_AccountsItem]) -> list[AccountsAnswer | None]:
+    """The batch's answers; None for each request left to its own transaction."""
+    try:
+        return _on_live_connection(lambda: _write_accounts_once(items))
+    except DatabaseError as error:
+        # Two requests of the batch claiming one new account, a node collision, a deadlock:
+        # each request is tried alone. A database that is down fails every request.
+        if not isinstance(error, IntegrityError) and not _rolled_back(error):
+            raise
+        log.info("uwpx.batch_failed", extra={"error_type": type(error).__name__})
+        return [None] * len(items)
+
+
+def _rolled_back(error: BaseException) -> bool:
+    """A deadlock or serialization failure: the transaction failed, the database is fine."""
+    import psycopg
+
+    return isinstance(error.__cause__, psycopg.errors.TransactionRollback)
+
+
+def _write_accounts_once(items: Sequence[_AccountsItem]) -> list[AccountsAnswer | None]:
+    now = timezone.now()
+    at = _db_time(now)
+    with transaction.atomic():
+        rows = _fetchall(
+            _BATCH_READ_SQL,
+            [
+                *_apps_columns([item.app for item in items]),
+                [item.digest for item in items],
+                list(range(len(items))),
+            ],
+        )
+        plans = _plans(items, rows)
+        _drop_taken(plans)
+        live = [plan for plan in plans if plan is not None]
+        renew: list[tuple[int, int, str]] = []
+        insert: list[Registration] = []
+        for plan in live:
+            renew += [
+                (mine.id, plan.component_id, plan.channel_uri) for mine in plan.existing.values()
+            ]
+            insert += plan.new
+        if not live:
+            return [None] * len(items)
+        renew_columns = [list(column) for column in zip(*renew, strict=True)] or [[], [], []]
+        written = _fetchall(
+            _BATCH_WRITE_SQL,
+            [
+                at,
+                [plan.device_pk for plan in live],
+                at,
+                *renew_columns,
+                Service.WNS,
+                at,
+                at,
+                [reg.app_id for reg in insert],
+                [reg.component_id for reg in insert],
+                [reg.wns_device_id for reg in insert],
+                [reg.device_hash for reg in insert],
+                [reg.account_domain for reg in insert],
+                [reg.token for reg in insert],
+                [reg.node for reg in insert],
+                [reg.secret for reg in insert],
+            ],
+        )
+        renewed = {row[1] for row in written if row[0] == 0}
+        inserted = {(row[0], row[2]): row[1] for row in written if row[0] != 0}
+        for reg in insert:
+            reg.pk = inserted[(reg.wns_device_id, reg.device_hash)]
+            reg._state.adding = False
+        by_tenant: dict[int, list[Registration]] = {}
+        for plan in live:
+            by_tenant.setdefault(plan.item.app.tenant_id, []).extend(plan.new)
+        for tenant_id, new in by_tenant.items():
+            lifecycle.created(new, at=now, tenant_id=tenant_id)
+    answers: list[AccountsAnswer | None] = []
+    for planned in plans:
+        if planned is None or any(m.id not in renewed for m in planned.existing.values()):
+            # Changed by a worker since it was read (a channel died): its own path logs it.
+            answers.append(None)
+            continue
+        answers.append(
+            _answer(
+                planned.item.wanted,
+                planned.existing,
+                {reg.device_hash: reg for reg in planned.new},
+                planned.component_jid,
+            )
+        )
+    return answers
+
+
+def _plans(items: Sequence[_AccountsItem], rows: list[tuple[Any, ...]]) -> list[_Plan | None]:
+    """Each request that the batch can write as it is, from the rows read under lock."""
+    by_ord: dict[int, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        by_ord.setdefault(row[0], []).append(row)
+    plans: list[_Plan | None] = []
+    devices: set[int] = set()
+    for ord_, item in enumerate(items):
+        found = by_ord.get(ord_)
+        if not found or not hmac.compare_digest(found[0][3], item.digest):
+            plans.append(None)  # unknown device or changed app: its own path says which
+            continue
+        _, device_pk, channel_uri, _, component_id, component_jid = found[0][:6]
+        existing = {
+            r[7]: _Mine(r[6], r[7], r[8], r[9], r[10], r[11], r[12] is not None, r[13])
+            for r in found
+            if r[6] is not None
+        }
+        keep = {wanted.device_hash for wanted in item.wanted}
+        plain = (
+            device_pk not in devices
+            and component_id is not None
+            and channels.wns_channel_sendable(app=item.app, channel_uri=channel_uri)
+            and keep.issuperset(existing)
+            and all(mine.token == channel_uri and not mine.dead for mine in existing.values())
+            and all(
+                not wanted.domain or existing[wanted.device_hash].account_domain == wanted.domain
+                for wanted in item.wanted
+                if wanted.device_hash in existing
+            )
+        )
+        devices.add(device_pk)
+        if not plain:
+            plans.append(None)
+            continue
+        new = [
+            Registration(
+                app=item.app,
+                component_id=component_id,
+                service=Service.WNS,
+                wns_device_id=device_pk,
+                device_hash=wanted.device_hash,
+                room_hash="",
+                account_domain=wanted.domain,
+                token=channel_uri,
+                node=new_node(),
+                secret=new_secret(),
+            )
+            for wanted in item.wanted
+            if wanted.device_hash not in existing
+        ]
+        plans.append(
+            _Plan(item, device_pk, channel_uri, component_id, component_jid or "", existing, new)
+        )
+    return plans
+
+
+def _drop_taken(plans: list[_Plan | None]) -> None:
+    """A new account whose id is registered elsewhere (or wanted twice in the batch): that
+    request goes its own way, which refuses it as the single path does."""
+    fresh = [reg.device_hash for plan in plans if plan is not None for reg in plan.new]
+    if not fresh:
+        return
+    taken: dict[tuple[int, str], set[int | None]] = {}
+    for app_id, digest, device in _fetchall(_BATCH_TAKEN_SQL, [Service.WNS, fresh]):
+        taken.setdefault((app_id, digest), set()).add(device)
+    claimed: set[tuple[int, str]] = set()
+    for index, plan in enumerate(plans):
+        if plan is None:
+            continue
+        keys = [(plan.item.app.pk, reg.device_hash) for reg in plan.new]
+        if any(key in claimed or (taken.get(key, set()) - {plan.device_pk}) for key in keys):
+            plans[index] = None
+            continue
+        claimed.update(keys)
+
+
+_accounts_group: GroupCommit[_AccountsItem, AccountsAnswer | None] = GroupCommit(_write_accounts)
 
 
 def request_test_push(*, app: App, device_id: str) -> str:
@@ -643,6 +1098,7 @@ def request_test_push(*, app: App, device_id: str) -> str:
     Returns the push id.
     """
     validate_device_id(device_id)
+    app = _load_app(app.public_key)  # rare and a real send: the app as it is now
     device = _device(app=app, device_id=device_id)
     registrations = Registration.objects.filter(wns_device=device).order_by("id")
     registration = registrations.filter(dead_since__isnull=True).first()

@@ -28,7 +28,7 @@ from relay.models import (
     UnifiedPushOutcome,
     UnifiedPushRevocation,
 )
-from relay.services.unifiedpush.groupcommit import GroupCommit
+from relay.services.groupcommit import GroupCommit
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""Group commit: the POSTs that a web process's threads store at the same moment share ONE
-statement and one commit.
+"""Group commit: the requests that a web process's threads store at the same moment share ONE
+statement (or transaction) and one commit: the UnifiedPush POSTs (unifiedpush.store) and the
+Windows API's registrations (uwpx).
 
 No extra thread and no waiting window: the first thread to arrive writes (the leader); the
 threads that arrive while it writes queue up, and when it is done the first of them writes
