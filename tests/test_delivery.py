@@ -12,7 +12,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.conf import settings
+from django.db import connection
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from relay.models import DeadLetter, Delivery, Priority, Registration, Service
@@ -341,6 +343,59 @@ def test_unconfigured_provider_is_a_dead_letter(component, fakes):
     job = make_job(registration)
     assert delivery.deliver(job) == Outcome.FAILED
     assert DeadLetter.objects.get(push_id=job.push_id).reason == "failed: APNS_NOT_CONFIGURED"
+
+
+def queries_sql(queries: CaptureQueriesContext) -> list[str]:
+    return [query["sql"] for query in queries.captured_queries]
+
+
+def test_an_app_edited_between_two_deliveries_is_seen_by_the_next(component, fakes):
+    """The worker keeps apps across batches: an edit must still reach the very next send."""
+    registration = make_registration(component, Service.FCM, fakes)
+    assert delivery.deliver(make_job(registration)) == Outcome.DELIVERED
+    app = component.app
+    app.payload_options = {"fcm": {"account_key": "edited"}}
+    app.save()
+    assert delivery.deliver(make_job(registration)) == Outcome.DELIVERED
+    first, second = wire_requests(Service.FCM, fakes, registration)
+    assert first.message["data"] == {"account": registration.device_hash}
+    assert second.message["data"] == {"edited": registration.device_hash}
+
+    app.fcm_service_account = ""  # credentials removed
+    app.save()
+    job = make_job(registration)
+    assert delivery.deliver(job) == Outcome.FAILED
+    assert DeadLetter.objects.get(push_id=job.push_id).reason == "failed: FCM_NOT_CONFIGURED"
+
+
+def test_a_later_batch_does_not_read_an_unchanged_app_again(component, fakes):
+    registration = make_registration(component, Service.FCM, fakes)
+    with CaptureQueriesContext(connection) as queries:
+        assert delivery.deliver(make_job(registration)) == Outcome.DELIVERED
+    app_table = f"FROM {connection.ops.quote_name('relay_app')}"
+    assert [sql for sql in queries_sql(queries) if app_table in sql]
+    with CaptureQueriesContext(connection) as queries:
+        assert delivery.deliver(make_job(registration)) == Outcome.DELIVERED
+    assert [sql for sql in queries_sql(queries) if app_table in sql] == []
+
+
+def test_last_push_moves_once_a_minute_without_an_update_in_between(component, fakes):
+    registration = make_registration(component, Service.FCM, fakes)
+    recent = timezone.now() - timedelta(seconds=10)
+    Registration.objects.filter(pk=registration.pk).update(last_push=recent)
+    table = connection.ops.quote_name("relay_registration")
+    with CaptureQueriesContext(connection) as queries:
+        assert delivery.deliver(make_job(registration)) == Outcome.DELIVERED
+    assert [sql for sql in queries_sql(queries) if sql.startswith(f"UPDATE {table}")] == []
+    registration.refresh_from_db()
+    assert registration.last_push == recent
+
+    old = timezone.now() - timedelta(seconds=delivery.LAST_PUSH_RESOLUTION_SECONDS + 5)
+    Registration.objects.filter(pk=registration.pk).update(last_push=old)
+    before = timezone.now()
+    assert delivery.deliver(make_job(registration)) == Outcome.DELIVERED
+    registration.refresh_from_db()
+    assert registration.last_push is not None and registration.last_push >= before
 
 
 # --- dead letters, replays and redeliveries -----------------------------------------------------

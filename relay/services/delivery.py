@@ -47,7 +47,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from relay import conf, metrics
@@ -227,9 +226,9 @@ class DatabaseUnavailable(Exception):
 
 @dataclass
 class Bookkeeping:
-    """What a batch taught: dead registrations, delivered ones (`last_push`), dead letters and
-    the Delivery rows, written in one transaction. Plain JSON-able data without token, JID or
-    body, so that it can wait in the broker while the database is away."""
+    """What a batch taught: dead registrations, delivered ones whose `last_push` is due to move,
+    dead letters and the Delivery rows, written in one transaction. Plain JSON-able data
+    without token, JID or body, so that it can wait in the broker while the database is away."""
 
     at: str
     dead: list[int] = field(default_factory=list)
@@ -299,35 +298,54 @@ def deliver(job: queue.SendJob) -> Outcome:
 
 @functools.cache
 def _registrations_sql() -> tuple[str, tuple[str, ...]]:
-    """The batch's registrations by id, every column in the model's order, written once:
-    compiling the ORM query cost as much as running it for a batch of one."""
-    columns = tuple(field.attname for field in Registration._meta.concrete_fields)
-    table = connection.ops.quote_name(Registration._meta.db_table)
-    return f"SELECT {', '.join(columns)} FROM {table} WHERE id IN ", columns
+    """The batch's registrations by id, every column in the model's order, and their apps'
+    `updated` (which App version is current), written once: compiling the ORM query cost as
+    much as running it for a batch of one."""
+    quote = connection.ops.quote_name
+    fields = Registration._meta.concrete_fields
+    columns = tuple(field.attname for field in fields)
+    selected = ", ".join(f"r.{quote(str(field.column))}" for field in fields)
+    registrations = quote(Registration._meta.db_table)
+    apps = quote(App._meta.db_table)
+    return (
+        f"SELECT {selected}, a.{quote('updated')} FROM {registrations} r "
+        f"JOIN {apps} a ON a.{quote('id')} = r.{quote('app_id')} WHERE r.{quote('id')} IN ",
+        columns,
+    )
+
+
+def _aware(value: Any) -> Any:
+    """SQLite gives a raw cursor naive UTC times."""
+    if isinstance(value, datetime) and timezone.is_naive(value):
+        return timezone.make_aware(value, UTC)
+    return value
 
 
 def _registration(columns: tuple[str, ...], row: tuple[Any, ...]) -> Registration:
-    """A Registration from a raw row (SQLite gives a raw cursor naive UTC times)."""
-    values = [
-        timezone.make_aware(value, UTC)
-        if isinstance(value, datetime) and timezone.is_naive(value)
-        else value
-        for value in row
-    ]
-    return Registration.from_db(connection.alias, columns, values)
+    """A Registration from a raw row."""
+    return Registration.from_db(connection.alias, columns, [_aware(value) for value in row])
 
 
 def _load_registrations(ids: set[int]) -> dict[int, Registration]:
-    """The batch's registrations with their apps: two queries, and each app's credentials
-    decrypted once per batch instead of once per row."""
+    """The batch's registrations with their apps: one query, plus one for the apps that are
+    new to this process or changed since it loaded them (provider_registry.apps)."""
     sql, columns = _registrations_sql()
     with connection.cursor() as cursor:
         cursor.execute(sql + f"({', '.join(['%s'] * len(ids))})", sorted(ids))
         rows = cursor.fetchall()
-    registrations = {r.pk: r for r in (_registration(columns, row) for row in rows)}
-    apps = App.objects.in_bulk({registration.app_id for registration in registrations.values()})
-    for registration in registrations.values():
-        registration.app = apps[registration.app_id]
+    registrations: dict[int, Registration] = {}
+    versions: dict[int, datetime] = {}
+    for row in rows:
+        registration = _registration(columns, row[:-1])
+        registrations[registration.pk] = registration
+        versions[registration.app_id] = _aware(row[-1])
+    apps = registry.apps(versions)
+    for registration in list(registrations.values()):
+        app = apps.get(registration.app_id)
+        if app is None:  # deleted meanwhile, and its registrations with it
+            del registrations[registration.pk]
+        else:
+            registration.app = app
     return registrations
 
 
@@ -393,7 +411,7 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
             given_up = f"failed: {result.error_code or 'UNKNOWN'}"
         if result.outcome == Outcome.DEAD_TOKEN:
             book.dead.append(registration.pk)
-        if result.outcome == Outcome.DELIVERED:
+        if result.outcome == Outcome.DELIVERED and _last_push_due(registration, now):
             book.delivered.append(registration.pk)
         if given_up:
             book.dead_letters.append(_dead_letter(registration, job, given_up))
@@ -417,6 +435,13 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
     except DatabaseUnavailable:
         raise RecordPending(book, outcomes) from None
     return outcomes
+
+
+def _last_push_due(registration: Registration, now: datetime) -> bool:
+    """Whether a delivery moves `last_push` (kept to LAST_PUSH_RESOLUTION_SECONDS): most
+    sends to a busy device do not, and then need no UPDATE at all."""
+    last = registration.last_push
+    return last is None or last < now - timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
 
 
 def _count_retry(provider: str, code: str) -> None:
@@ -451,15 +476,13 @@ def _write(book: Bookkeeping) -> None:
     now = datetime.fromisoformat(book.at)
     with _bookkeeping():
         if book.dead:
-            Registration.objects.filter(pk__in=book.dead, dead_since__isnull=True).update(
-                dead_since=now
-            )
+            _update_registrations(book.dead, "dead_since", now, "dead_since IS NULL")
             lifecycle.died(book.dead, at=now)
         if book.delivered:
             stale = now - timedelta(seconds=LAST_PUSH_RESOLUTION_SECONDS)
-            Registration.objects.filter(
-                Q(last_push__isnull=True) | Q(last_push__lt=stale), pk__in=book.delivered
-            ).update(last_push=now)
+            _update_registrations(
+                book.delivered, "last_push", now, "(last_push IS NULL OR last_push < %s)", stale
+            )
         if book.dead_letters:
             DeadLetter.objects.bulk_create(
                 [DeadLetter(**letter, replayed=None) for letter in book.dead_letters],
@@ -468,6 +491,22 @@ def _write(book: Bookkeeping) -> None:
                 update_fields=[*DEAD_LETTER_FIELDS, "replayed"],
             )
         _record(book.deliveries)
+
+
+def _update_registrations(
+    ids: list[int], column: str, value: datetime, condition: str, *times: datetime
+) -> None:
+    """`UPDATE registration SET column = value WHERE id IN ids AND condition`, written out:
+    compiling the ORM's update took more time than running it. `times` fill the condition's
+    placeholders; times are adapted as the ORM would (SQLite stores naive UTC text)."""
+    adapt = connection.ops.adapt_datetimefield_value
+    table = connection.ops.quote_name(Registration._meta.db_table)
+    sql = (
+        f"UPDATE {table} SET {column} = %s "
+        f"WHERE id IN ({', '.join(['%s'] * len(ids))}) AND {condition}"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [adapt(value), *ids, *(adapt(moment) for moment in times)])
 
 
 @contextlib.contextmanager
