@@ -335,6 +335,24 @@ def test_a_retry_that_cannot_be_queued_becomes_a_dead_letter(component, fakes, m
     assert DeadLetter.objects.get(push_id=job.push_id).reason == "not re-queued: UNAVAILABLE"
 
 
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="a PostgreSQL commit setting")
+def test_a_batch_that_writes_a_dead_letter_waits_for_the_wal_flush(component, fakes):
+    """Delivery rows may be committed without waiting for the WAL flush (bookkeeping); a dead
+    letter may not: it is the only copy of the push once the broker message is acknowledged."""
+    registration = make_registration(component, Service.FCM, fakes)
+    with CaptureQueriesContext(connection) as delivered:
+        assert delivery.deliver(make_job(registration)) == Outcome.DELIVERED
+    too_old = timezone.now() - timedelta(seconds=settings.RELAY["SEND_MAX_AGE_SECONDS"] + 1)
+    with CaptureQueriesContext(connection) as given_up:
+        assert delivery.deliver(make_job(registration, received=too_old.isoformat())) == (
+            Outcome.FAILED
+        )
+    assert DeadLetter.objects.count() == 1
+    asynchronous = "SET LOCAL synchronous_commit TO OFF"
+    assert asynchronous in queries_sql(delivered)
+    assert asynchronous not in queries_sql(given_up)
+
+
 def test_unconfigured_provider_is_a_dead_letter(component, fakes):
     registration = make_registration(component, Service.APNS, fakes)
     app = component.app

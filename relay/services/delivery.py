@@ -474,7 +474,7 @@ def record(book: Bookkeeping) -> None:
 
 def _write(book: Bookkeeping) -> None:
     now = datetime.fromisoformat(book.at)
-    with _bookkeeping():
+    with _bookkeeping(durable=bool(book.dead_letters)):
         if book.dead:
             _update_registrations(book.dead, "dead_since", now, "dead_since IS NULL")
             lifecycle.died(book.dead, at=now)
@@ -510,13 +510,16 @@ def _update_registrations(
 
 
 @contextlib.contextmanager
-def _bookkeeping() -> Iterator[None]:
+def _bookkeeping(*, durable: bool) -> Iterator[None]:
     """One commit for what a batch learnt, and on PostgreSQL without waiting for the WAL
     flush: a commit per statement was what bounded single sends. These rows are bookkeeping;
     a crash may lose the last few, and a dead token lost so is learnt again at the next send.
+
+    Not so a dead letter: it is the only copy of a push given up on (the broker message is
+    acknowledged next), so a batch that writes one waits for the flush.
     """
     with transaction.atomic():
-        if connection.vendor == "postgresql":
+        if connection.vendor == "postgresql" and not durable:
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit TO OFF")
         yield
