@@ -141,3 +141,24 @@ def test_the_queue_reports_an_unreachable_broker_as_unavailable(monkeypatch, emp
     with pytest.raises(queue.QueueUnavailable):
         queue.enqueue_send(job)
     assert raw_messages() == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "direct"),
+    [
+        ({}, True),
+        ({"task_routes": {"relay.send_push": {"queue": "elsewhere"}}}, False),
+        ({"broker_use_ssl": {"ssl_cert_reqs": "required"}}, False),
+    ],
+)
+def test_routed_or_tls_configured_brokers_keep_celerys_producer(changes, direct):
+    """The direct write knows the default queue and a plain URL only."""
+    before = {name: celery_app.conf[name] for name in changes}
+    celery_app.conf.update(changes)
+    queue._direct_publisher.cache_clear()
+    try:
+        found = queue._direct_publisher(str(celery_app.conf.broker_url))
+        assert (found is not None) is direct
+    finally:
+        celery_app.conf.update(before)
+        queue._direct_publisher.cache_clear()

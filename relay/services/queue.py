@@ -68,6 +68,8 @@ def _direct_publisher(broker_url: str) -> redis_broker.TaskPublisher | None:
     conf = current_app.conf
     if not broker_url.startswith(("redis://", "rediss://")) or conf.task_routes:
         return None
+    if conf.broker_use_ssl:  # TLS options outside the URL: kombu's client knows them
+        return None
     return redis_broker.TaskPublisher(
         broker_url,
         transport_options=dict(conf.broker_transport_options or {}),
