@@ -656,6 +656,24 @@ def set_accounts(*, app: App, device_id: str, accounts: Sequence[AccountRef]) ->
     return answer
 
 
+def _new_registration(
+    app: App, component_id: int, device_pk: int, wanted: _Wanted, channel_uri: str
+) -> Registration:
+    """A Windows device's registration for one account (the single and the batched path)."""
+    return Registration(
+        app=app,
+        component_id=component_id,
+        service=Service.WNS,
+        wns_device_id=device_pk,
+        device_hash=wanted.device_hash,
+        room_hash="",
+        account_domain=wanted.domain,
+        token=channel_uri,
+        node=new_node(),
+        secret=new_secret(),
+    )
+
+
 def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> AccountsAnswer:
     """In one transaction: the device (locked and touched by one UPDATE), its registrations,
     and only what changed written back. A re-registration that changes nothing is two
@@ -746,18 +764,7 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[_Wanted]) -> Accou
         if found is not None and item.domain and found.account_domain != item.domain:
             Registration.objects.filter(pk=found.id).update(account_domain=item.domain)
     new = [
-        Registration(
-            app=app,
-            component_id=component_id,
-            service=Service.WNS,
-            wns_device_id=device_pk,
-            device_hash=item.device_hash,
-            room_hash="",
-            account_domain=item.domain,
-            token=channel_uri,
-            node=new_node(),
-            secret=new_secret(),
-        )
+        _new_registration(app, component_id, device_pk, item, channel_uri)
         for item in wanted
         if item.device_hash not in existing
     ]
@@ -1046,18 +1053,7 @@ def _plans(items: Sequence[_AccountsItem], rows: list[tuple[Any, ...]]) -> list[
             plans.append(None)
             continue
         new = [
-            Registration(
-                app=item.app,
-                component_id=component_id,
-                service=Service.WNS,
-                wns_device_id=device_pk,
-                device_hash=wanted.device_hash,
-                room_hash="",
-                account_domain=wanted.domain,
-                token=channel_uri,
-                node=new_node(),
-                secret=new_secret(),
-            )
+            _new_registration(item.app, component_id, device_pk, wanted, channel_uri)
             for wanted in item.wanted
             if wanted.device_hash not in existing
         ]
