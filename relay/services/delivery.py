@@ -635,7 +635,8 @@ def _record_sql(rows: list[dict[str, Any]]) -> tuple[str, list[Any]]:
     One multi-row INSERT ... ON CONFLICT, without building a model instance per row or
     compiling the query. The values are the rows' own (ids, text, counts), the times parsed
     from their ISO text and adapted as the model's fields adapt them: running every value
-    through `Field.get_db_prep_save` (as bulk_create does) was a third of a busy worker's CPU.
+    through `Field.get_db_prep_save` (as bulk_create does) was about 40 % of writing the rows
+    (100 rows: 6.6 ms of CPU, 3.9 ms without it, timed in process).
     """
     columns_of = [Delivery._meta.get_field(name) for name in _DELIVERY_FIELDS]
     names = [str(column.attname) for column in columns_of]  # type: ignore[union-attr]

@@ -188,6 +188,7 @@ class RedisStore:
         import redis
 
         self._errors = (redis.RedisError, OSError)
+        self._no_script = redis.exceptions.NoScriptError
         self._client = redis.Redis.from_url(
             url, socket_timeout=0.5, socket_connect_timeout=0.5, health_check_interval=30
         )
@@ -214,24 +215,22 @@ class RedisStore:
         makes redis-py ask SCRIPT EXISTS first, every time: a second round trip per batch.)
         Redis forgets scripts when it restarts or flushes them: then they are loaded again and
         the pipeline is run once more, which is safe because a refused EVALSHA ran nothing."""
-        import redis
-
         calls = [_admit_call(ask) for ask in asks]
         try:
-            for attempt in (1, 2):
-                pipe = self._client.pipeline(transaction=False)
-                for keys, args in calls:
-                    pipe.evalsha(self._admit.sha, len(keys), *keys, *args)
-                try:
-                    answers = pipe.execute()
-                    break
-                except redis.exceptions.NoScriptError:
-                    if attempt == 2:
-                        raise
-                    self._admit.sha = self._client.script_load(_ADMIT_LUA)
+            try:
+                answers = self._admit_all(calls)
+            except self._no_script:
+                self._admit.sha = self._client.script_load(_ADMIT_LUA)
+                answers = self._admit_all(calls)
         except self._errors as error:
             raise StateUnavailable(type(error).__name__) from error
         return [_admission([_text(item) for item in answer]) for answer in answers]
+
+    def _admit_all(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(self._admit.sha, len(keys), *keys, *args)
+        return list(pipe.execute())
 
     def take(self, window_key: str, push_id: str, window: float) -> Taken | None:
         answer = self._run(
