@@ -213,8 +213,7 @@ class Command(BaseCommand):
         ]
         if missing:
             if options["idle_if_unconfigured"]:
-                log.info("uwpx_listener.disabled", extra={"missing": missing})
-                asyncio.run(_wait_for_stop())
+                asyncio.run(_wait_for_stop(missing))
                 return
             raise CommandError(f"The UWPX listener needs {', '.join(missing)} to be set.")
         try:
@@ -224,9 +223,12 @@ class Command(BaseCommand):
         asyncio.run(UwpxListener(config, context).run())
 
 
-async def _wait_for_stop() -> None:
+async def _wait_for_stop(missing: list[str]) -> None:
+    """Idle until told to stop. The line that says so is logged once the stop signals are
+    handled: a supervisor that stops the listener as soon as it reads it gets a clean exit."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    log.info("uwpx_listener.disabled", extra={"missing": missing})
     await stop.wait()
