@@ -2,9 +2,11 @@
 Prosody's mod_unified_push, in the same run, on the same Prosody, driven the same way.
 
 One Prosody (bench/peers/prosody-unifiedpush.cfg.lua) routes both sides:
-- ours: application server --HTTP--> web (gunicorn) --PostgreSQL, NOTIFY--> gateway
+- ours: application server --HTTP--> web (gunicorn) --the direct path (TCP)--> gateway
   --component link--> Prosody --c2s--> phone, and the phone's `result` back to the gateway,
-  which deletes the message and writes its delivery record;
+  which answers the web process (then the POST 201) and writes the delivery record; a
+  message the phone does not take at once goes through the store (PostgreSQL, NOTIFY).
+  `--direct-seconds 0` measures the store-first path alone;
 - Prosody's: application server --HTTP--> Prosody (mod_unified_push, `storage` backend)
   --c2s--> phone, and the phone's `result` back to Prosody, which then answers the POST 201.
 
@@ -17,8 +19,9 @@ answer every push `result` at once. Both sides thus see the same offered load sh
 Figures per side and concurrency (16, 64): relays per second, latency POST -> complete
 (p50/p95/p99), POST -> HTTP answer, POST -> phone; CPU per relay of every process (web,
 gateway, PostgreSQL, Prosody, this driver); the machine's busy fraction and load average.
-Our side's figures include the gateway's deletes and delivery records (the run ends only when
-every message is deleted). Prints and writes bench/results/unifiedpush.json.
+Our side's figures include the gateway's deletes and delivery records (a phase ends only when
+no message is stored and every accepted one has its delivery record). Prints and writes
+bench/results/unifiedpush.json.
 
 Run with `make bench` or `.venv/bin/python -m tests.support.services -- .venv/bin/python
 bench/unifiedpush.py` (needs prosody and prosody-modules). Options: --seconds, --body-bytes,
@@ -303,6 +306,7 @@ class Driver:
         self.waiters: dict[int, asyncio.Future[float]] = {}
         self.phones: list[RawPhone] = []
         self.received = 0
+        self.accepted: dict[str, int] = {}  # 201s per side, for the drain
         self.padding = os.urandom(body_bytes)
 
     def on_push(self, text: str) -> None:
@@ -347,6 +351,7 @@ class Driver:
                     phase.errors[str(status)] = phase.errors.get(str(status), 0) + 1
                     await asyncio.sleep(0.01)
                     continue
+                self.accepted[phase.side] = self.accepted.get(phase.side, 0) + 1
                 try:
                     at_phone = await asyncio.wait_for(waiter, 30)
                 except TimeoutError:
@@ -381,6 +386,12 @@ def main() -> None:
         help="gunicorn worker class (the Procfile's; gthread for gunicorn's own)",
     )
     parser.add_argument("--gateway-threads", type=int, default=8)
+    parser.add_argument(
+        "--direct-seconds",
+        type=float,
+        default=0.5,
+        help="RELAY_UNIFIEDPUSH_DIRECT_SECONDS; 0 stores every message first",
+    )
     args = parser.parse_args()
     levels = [int(value) for value in args.concurrency.split(",")]
 
@@ -395,6 +406,7 @@ def main() -> None:
             "RELAY_UNIFIEDPUSH_ENDPOINT_RATE": "0/0",
             "RELAY_UNIFIEDPUSH_TENANT_RATE": "0/0",
             "RELAY_GATEWAY_THREADS": str(args.gateway_threads),
+            "RELAY_UNIFIEDPUSH_DIRECT_SECONDS": str(args.direct_seconds),
         }
     )
     import django
@@ -403,7 +415,13 @@ def main() -> None:
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
-    from relay.models import Component, ComponentLink, Tenant, UnifiedPushMessage
+    from relay.models import (
+        Component,
+        ComponentLink,
+        Tenant,
+        UnifiedPushDelivery,
+        UnifiedPushMessage,
+    )
 
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"up-bench-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -455,7 +473,10 @@ def main() -> None:
                 levels,
                 prosody,
                 pids,
-                lambda: UnifiedPushMessage.objects.count(),
+                lambda: (
+                    UnifiedPushMessage.objects.count(),
+                    UnifiedPushDelivery.objects.count(),
+                ),
                 lambda: postgres_cpu_by_client(database_url),
             )
         )
@@ -475,6 +496,7 @@ def main() -> None:
             "web": f"gunicorn {args.web_worker_class}, {args.web_workers} workers x "
             f"{args.web_threads} threads",
             "gateway_threads": args.gateway_threads,
+            "direct_seconds": args.direct_seconds,
             "phones": args.phones,
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -539,13 +561,13 @@ async def measure(
         for side, name in ((OURS, "relay"), (PROSODY, "prosody_mod_unified_push")):
             phase = Phase(name, concurrency)
             await driver.run(phase, endpoints[side], args.warmup, record_from=float("inf"))
-            await drain(stored if side == OURS else None)
+            await drain(stored if side == OURS else None, driver.accepted.get(name, 0))
             cpu_before = {key: cpu_of(key, pid) for key, pid in pids.items()}
             pg_before = await asyncio.to_thread(postgres_split)
             busy_before = machine_busy()
             started = time.perf_counter()
             await driver.run(phase, endpoints[side], args.seconds, record_from=started)
-            drained = await drain(stored if side == OURS else None)
+            drained = await drain(stored if side == OURS else None, driver.accepted.get(name, 0))
             elapsed = time.perf_counter() - started
             busy_after = machine_busy()
             cpu = {key: cpu_of(key, pid) - cpu_before[key] for key, pid in pids.items()}
@@ -606,12 +628,16 @@ def cpu_of(name: str, pid: int) -> float:
     return tree_cpu(pid, descendants=not name.startswith("driver"))
 
 
-async def drain(stored: Any) -> float:
-    """Wait until our side has deleted every delivered message (Prosody's keeps none)."""
+async def drain(stored: Any, accepted: int) -> float:
+    """Wait until our side has deleted every delivered message and written a delivery record
+    for every message it accepted (Prosody's keeps none)."""
     started = time.perf_counter()
     if stored is None:
         return 0.0
-    while await asyncio.to_thread(stored):
+    while True:
+        messages_left, records = await asyncio.to_thread(stored)
+        if not messages_left and records >= accepted:
+            break
         if time.perf_counter() - started > 60:
             raise RuntimeError("messages still stored a minute after the last POST")
         await asyncio.sleep(0.05)

@@ -493,6 +493,12 @@ RELAY.update(
             "RELAY_UNIFIEDPUSH_SWEEP_SECONDS",
             0.25 if DATABASES["default"]["ENGINE"].endswith("sqlite3") else 5.0,
         ),
+        # The direct path (docs/unifiedpush.md): how long a POST for an online phone waits for
+        # its answer before the gateway stores the message (seconds; 0: every POST is stored
+        # first), and where the gateway listens for it (host:port, port 0 picks a free one;
+        # "off" turns the listener off). Web processes find it through the gateway's lease.
+        "UNIFIEDPUSH_DIRECT_SECONDS": env_float("RELAY_UNIFIEDPUSH_DIRECT_SECONDS", 0.5),
+        "UNIFIEDPUSH_CHANNEL": os.environ.get("RELAY_UNIFIEDPUSH_CHANNEL", "127.0.0.1:0"),
     }
 )
 

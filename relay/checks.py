@@ -226,6 +226,33 @@ def probe_listen_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
 
 
 @register("relay")
+def unifiedpush_direct_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The direct path's window and listener: a wrong value would only show at the first POST."""
+    from relay.services.unifiedpush.channel import parse_bind
+
+    relay = conf.current()
+    messages: list[CheckMessage] = []
+    if not 0 <= relay.unifiedpush_direct_seconds <= relay.unifiedpush_answer_timeout_seconds:
+        messages.append(
+            Error(
+                "RELAY_UNIFIEDPUSH_DIRECT_SECONDS must be between 0 (off) and "
+                "RELAY_UNIFIEDPUSH_ANSWER_TIMEOUT_SECONDS.",
+                id="relay.E012",
+            )
+        )
+    try:
+        parse_bind(relay.unifiedpush_channel)
+    except ValueError:
+        messages.append(
+            Error(
+                "RELAY_UNIFIEDPUSH_CHANNEL must be host:port (port 0 picks a free one), or off.",
+                id="relay.E012",
+            )
+        )
+    return messages
+
+
+@register("relay")
 def retry_window_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """A delayed send (a retry, or a coalesced send) waits unacknowledged in a worker until it
     is due; a broker visibility timeout shorter than that delay hands it to a second worker,

@@ -93,6 +93,8 @@ class RelayConf:
     unifiedpush_retry_base_seconds: float
     unifiedpush_retry_max_seconds: float
     unifiedpush_sweep_seconds: float
+    unifiedpush_direct_seconds: float
+    unifiedpush_channel: str
     # Top-level settings
     var_dir: Path
     credential_keys: tuple[str, ...]
@@ -190,6 +192,8 @@ def build(source: Any = settings) -> RelayConf:
         unifiedpush_retry_base_seconds=float(relay["UNIFIEDPUSH_RETRY_BASE_SECONDS"]),
         unifiedpush_retry_max_seconds=float(relay["UNIFIEDPUSH_RETRY_MAX_SECONDS"]),
         unifiedpush_sweep_seconds=float(relay["UNIFIEDPUSH_SWEEP_SECONDS"]),
+        unifiedpush_direct_seconds=float(relay["UNIFIEDPUSH_DIRECT_SECONDS"]),
+        unifiedpush_channel=str(relay["UNIFIEDPUSH_CHANNEL"]),
         var_dir=Path(source.VAR_DIR),
         credential_keys=tuple(source.CREDENTIAL_KEYS or ()),
         unifiedpush_keys=tuple(source.UNIFIEDPUSH_KEYS or ()),

@@ -203,6 +203,12 @@ class GatewayInstance(models.Model):
     name = models.CharField(max_length=100, primary_key=True)
     started = models.DateTimeField()
     expires = models.DateTimeField()
+    channel = models.CharField(
+        max_length=300,
+        blank=True,
+        default="",
+        help_text="host:port where its web processes hand it UnifiedPush messages, if any.",
+    )
 
     def __str__(self) -> str:
         return self.name

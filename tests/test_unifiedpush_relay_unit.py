@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from relay.services.unifiedpush import UP_NS, messages, tokens
-from relay.services.unifiedpush.store import StoredMessage
+from relay.services.unifiedpush.store import NewMessage, StoredMessage
 from xmppgateway.unifiedpush import Recipient, UnifiedPushRelay
 
 pytestmark = pytest.mark.defaults
@@ -29,7 +29,9 @@ class Wire:
 
 
 async def no_database(fn, *args, **kwargs):
-    return [] if fn.__name__ in ("due", "for_recipient", "by_ids") else 0
+    if fn.__name__ == "revoked_keys":
+        return set()
+    return [] if fn.__name__ in ("due", "for_recipient", "by_ids", "stored_index") else 0
 
 
 def stored(message_id: int, body: bytes = b"hi", *, ttl: int = 60) -> StoredMessage:
@@ -77,6 +79,7 @@ def test_a_push_iq_carries_the_body_to_the_full_jid():
     async def scenario():
         relay, wire = UnifiedPushRelay(no_database), Wire()
         relay.link_up(1, "up.example.org", wire)
+        await relay._index()  # as the first sweep after a link comes up
         relay.consider(stored(7, b"\x00body"))
         relay.consider(stored(7, b"\x00body"))  # known: not twice
         return wire.sent
@@ -93,6 +96,7 @@ def test_only_the_phone_itself_can_answer_and_a_failure_holds_it_back():
     async def scenario():
         relay, wire = UnifiedPushRelay(no_database, retry_base=60, retry_max=60), Wire()
         relay.link_up(1, "up.example.org", wire)
+        await relay._index()  # as the first sweep after a link comes up
         message = stored(8)
         relay.consider(message)
         iq_id = ET.fromstring(wire.sent[0]).get("id")
@@ -114,6 +118,7 @@ def test_a_stale_read_of_a_delivered_message_does_not_send_it_again():
     async def scenario():
         relay, wire = UnifiedPushRelay(no_database), Wire()
         relay.link_up(1, "up.example.org", wire)
+        await relay._index()  # as the first sweep after a link comes up
         message = stored(10)
         relay.consider(message)
         iq_id = ET.fromstring(wire.sent[0]).get("id")
@@ -137,3 +142,60 @@ def test_phones_that_never_come_back_are_forgotten():
     relay.recipients[(1, "recent")] = Recipient(failures=1, retry_at=time.monotonic() + 5)
     relay._forget_old_recipients()
     assert list(relay.recipients) == [(1, "recent")]
+
+
+def offered(message: StoredMessage) -> NewMessage:
+    """The message as a web process offers it on the direct path."""
+    return NewMessage(
+        tenant_id=message.tenant_id,
+        component_id=message.component_id,
+        endpoint_key=message.endpoint_key,
+        recipient_key=message.recipient_key,
+        topic_key="",
+        urgency=message.urgency,
+        received=message.received,
+        expires=message.expires,
+        endpoint_expires=message.endpoint_expires,
+        size=message.size,
+        ttl=message.ttl,
+        sealed=message.sealed,
+    )
+
+
+def test_an_offer_is_sent_and_answered_when_the_phone_took_it():
+    async def scenario():
+        relay, wire = UnifiedPushRelay(no_database, direct_window=5), Wire()
+        relay.link_up(1, "up.example.org", wire)
+        before_index = relay.offer(offered(stored(1)))
+        await relay._index()
+        verdict = relay.offer(offered(stored(2, b"now")))
+        [sent] = wire.sent
+        iq = ET.fromstring(sent)
+        assert base64.b64decode(iq.find(f"{{{UP_NS}}}push").text) == b"now"
+        assert not verdict.done()
+        relay.on_iq_answer(1, answer(iq.get("id"), "mallory@example.com/x"))  # not the phone
+        assert not verdict.done()
+        relay.on_iq_answer(1, answer(iq.get("id"), JID))
+        return before_index.result(), await verdict, relay
+
+    before_index, verdict, relay = run(scenario())
+    assert before_index == ("N", None)  # which phones have stored messages is not known yet
+    assert verdict == ("D", None)
+    assert [r.outcome for r in relay._records] == ["delivered"]
+
+
+def test_an_offer_never_overtakes_a_stored_message_or_reaches_a_revoked_endpoint():
+    async def scenario():
+        relay, wire = UnifiedPushRelay(no_database, direct_window=5), Wire()
+        relay.link_up(1, "up.example.org", wire)
+        await relay._index()
+        relay._mark(1, stored(5).recipient_key, 5)  # a stored message, as the index read it
+        behind_stored = relay.offer(offered(stored(6)))
+        relay.revoked.add("e" * 32)
+        revoked = relay.offer(offered(stored(7)))
+        return behind_stored.result(), revoked.result(), wire.sent
+
+    behind_stored, revoked, sent = run(scenario())
+    assert behind_stored == ("N", None)
+    assert revoked == ("R", None)
+    assert sent == []

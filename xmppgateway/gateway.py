@@ -37,6 +37,8 @@ from relay.probes import ProbeServer
 from relay.services import health, link_leases, links, publishing, tallies
 from relay.services.publishing import Publish, Verdict
 from relay.services.queue import QueueUnavailable
+from relay.services.unifiedpush.channel import parse_bind
+from xmppgateway.channel import ChannelServer
 from xmppgateway.component import PushComponent
 from xmppgateway.handlers import RunBlocking, Unavailable
 from xmppgateway.stream import StreamLimits
@@ -315,6 +317,7 @@ class Gateway:
         self.synced = False
         self.stopped = asyncio.Event()
         self.unifiedpush = UnifiedPushRelay(self.run_blocking)
+        self.channel: ChannelServer | None = None
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ORM and broker calls off the event loop; their outages become `Unavailable`."""
@@ -353,7 +356,10 @@ class Gateway:
         started = time.monotonic()
         try:
             result: link_leases.LeaseRound = await self.run_lease_call(
-                link_leases.lease_round, gateway=self.name, ttl=self.lease_seconds
+                link_leases.lease_round,
+                gateway=self.name,
+                ttl=self.lease_seconds,
+                channel=self.channel.address if self.channel is not None else "",
             )
         except Unavailable:
             log.warning("gateway.lease_round_failed")
@@ -458,6 +464,7 @@ class Gateway:
         )
         probes.start()
         log.info("gateway.started", extra={"gateway": self.name})
+        await self.start_channel()
         unifiedpush = asyncio.create_task(self.unifiedpush.run(self.stopped), name="unifiedpush")
         watchdog = asyncio.create_task(self.watchdog(), name="lease-watchdog")
         tally_writer = asyncio.create_task(self.write_tallies(), name="tally-writer")
@@ -467,8 +474,27 @@ class Gateway:
                 await asyncio.wait_for(self.stopped.wait(), timeout=self.poll_seconds)
         await watchdog
         await self.shutdown(unifiedpush)
+        if self.channel is not None:
+            await self.channel.stop()
         await tally_writer
         probes.stop()
+
+    async def start_channel(self) -> None:
+        """The direct path's listener (xmppgateway/channel.py), announced with our leases; a
+        gateway that cannot listen still relays, every message through the store."""
+        relay = conf.current()
+        if relay.unifiedpush_direct_seconds <= 0:
+            return
+        bind = parse_bind(relay.unifiedpush_channel)  # checked at start-up (relay.E012)
+        if bind is None:
+            return
+        server = ChannelServer(bind, self.unifiedpush.offer)
+        try:
+            await server.start()
+        except OSError as error:
+            log.error("unifiedpush.channel_failed", extra={"error_type": type(error).__name__})
+            return
+        self.channel = server
 
     async def shutdown(self, unifiedpush: asyncio.Task[None] | None = None) -> None:
         log.info("gateway.stopping", extra={"links": len(self.links)})

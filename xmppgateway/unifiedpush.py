@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import logging
 import time
 import xml.etree.ElementTree as ET
@@ -42,10 +43,10 @@ from slixmpp.jid import JID
 
 from relay import conf
 from relay.models import UnifiedPushOutcome
-from relay.services.unifiedpush import UP_NS, delivery, messages, registration, store
+from relay.services.unifiedpush import UP_NS, channel, delivery, messages, registration, store
 from relay.services.unifiedpush.delivery import Fate
 from relay.services.unifiedpush.keys import Unsealable
-from relay.services.unifiedpush.store import StoredMessage
+from relay.services.unifiedpush.store import DeliveryRecord, NewMessage, StoredMessage
 from xmppgateway import handlers
 from xmppgateway.handlers import Answer, LinkContext, RunBlocking, Unavailable
 
@@ -67,6 +68,11 @@ FINISH_BATCH = 500
 FORGET_FINISHED_SECONDS = 120.0
 SWEEP_LIMIT = 1000
 EXPIRY_SECONDS = 5.0
+# How often the index of stored messages and revocations (what the direct path must not
+# overtake or send to) is read again; between, it is kept up to date from what passes here
+# and errs only towards declining (a message ended elsewhere, by DELETE or expiry).
+INDEX_SECONDS = 30.0
+RECORDS_MAX = 100_000  # direct-path delivery records awaiting a database that is down
 
 
 class Sender(Protocol):
@@ -78,6 +84,19 @@ class InFlight:
     message: StoredMessage
     jid: str
     sent: float
+
+
+@dataclass(slots=True)
+class Direct:
+    """A message offered by a web process, sent, and not yet answered by the phone."""
+
+    message: NewMessage
+    jid: str
+    sent: float
+    verdict: asyncio.Future[tuple[str, int | None]]
+    timer: asyncio.TimerHandle | None = None
+    storing: bool = False
+    answer: Fate | None = None  # an answer that came while it was being stored
 
 
 @dataclass(slots=True)
@@ -146,6 +165,18 @@ class UnifiedPushRelay:
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _last_expiry: float = 0.0
     _stopping: bool = False
+    # The direct path: offered messages awaiting the phone, and what it must respect.
+    direct_window: float = field(default_factory=lambda: conf.current().unifiedpush_direct_seconds)
+    direct: dict[str, Direct] = field(default_factory=dict)
+    stored_ids: dict[tuple[int, str], set[int]] = field(default_factory=dict)
+    stored_key: dict[int, tuple[int, str]] = field(default_factory=dict)
+    revoked: set[str] = field(default_factory=set)
+    indexed: set[int] = field(default_factory=set)
+    _index_log: list[tuple[str, Any]] | None = None
+    _last_index: float = 0.0
+    _direct_count: int = 0
+    _records: list[DeliveryRecord] = field(default_factory=list)
+    _records_timer: asyncio.TimerHandle | None = None
 
     # --- wiring (xmppgateway.gateway)
 
@@ -159,10 +190,14 @@ class UnifiedPushRelay:
     def link_down(self, component_id: int) -> None:
         """Answers cannot come over a dead link: its pushes go out again once it is back."""
         self.links.pop(component_id, None)
+        self.indexed.discard(component_id)
         for iq_id, entry in list(self.in_flight.items()):
             if entry.message.component_id == component_id:
                 del self.in_flight[iq_id]
                 self.known.discard(entry.message.id)
+        for iq_id, direct in list(self.direct.items()):
+            if direct.message.component_id == component_id and not direct.storing:
+                self._direct_unanswered(iq_id)
 
     async def run(self, stopped: asyncio.Event) -> None:
         tasks = [asyncio.create_task(self._sweep_loop(), name="unifiedpush-sweep")]
@@ -175,6 +210,9 @@ class UnifiedPushRelay:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for iq_id, direct in list(self.direct.items()):
+                if not direct.storing:  # no answer can wait for us: stored, then answered
+                    self._direct_unanswered(iq_id)
             await self._drain_finishes()
 
     # --- the register iq
@@ -211,6 +249,11 @@ class UnifiedPushRelay:
     def on_iq_answer(self, component_id: int, iq: ET.Element) -> bool:
         """A result or error iq: True when it answered one of our pushes."""
         iq_id = iq.get("id", "")
+        direct = self.direct.get(iq_id)
+        if direct is not None:
+            if iq.get("from") == direct.jid and direct.message.component_id == component_id:
+                self._direct_answered(iq_id, delivery.fate(iq.get("type", ""), error_condition(iq)))
+            return True
         entry = self.in_flight.pop(iq_id, None)
         late = False
         if entry is None:
@@ -269,13 +312,25 @@ class UnifiedPushRelay:
         """Send a stored message now if its phone and link allow it; otherwise it waits."""
         if message.id in self.known:
             return
+        self._mark(message.component_id, message.recipient_key, message.id)
         link = self.links.get(message.component_id)
         if link is None or len(self.in_flight) >= MAX_IN_FLIGHT:
             return
-        state = self.recipients.get((message.component_id, message.recipient_key))
+        key = (message.component_id, message.recipient_key)
+        state = self.recipients.get(key)
         held = state is not None and (state.probing or time.monotonic() < state.retry_at)
         if held and not flush:
             return
+        if not flush:
+            if message.component_id not in self.indexed:
+                return  # the sweep after the index sends it, behind what it must not overtake
+            if state is None and any(
+                0 < other < message.id and other not in self.known for other in self.stored_ids[key]
+            ):
+                # Older messages of this phone wait (a restart forgot their backoff): all of
+                # them go now, oldest first.
+                self._flush_soon(message.component_id, [message.recipient_key])
+                return
         now = datetime.now(UTC)
         if not delivery.sendable(message, now):
             self.known.add(message.id)
@@ -337,6 +392,254 @@ class UnifiedPushRelay:
         for message in stored:
             self.consider(message, flush=True)
 
+    # --- the direct path (relay/services/unifiedpush/channel.py)
+
+    def offer(self, message: NewMessage) -> asyncio.Future[tuple[str, int | None]]:
+        """A web process offers a message: sent now, its verdict once the phone answered (or
+        it was stored); or declined at once, and the web process stores it. Declined whenever
+        sending now could overtake a stored message of the phone."""
+        verdict: asyncio.Future[tuple[str, int | None]] = asyncio.get_running_loop().create_future()
+        refusal = self._send_direct(message, verdict)
+        if refusal is not None:
+            verdict.set_result((refusal, None))
+        return verdict
+
+    def _send_direct(
+        self, message: NewMessage, verdict: asyncio.Future[tuple[str, int | None]]
+    ) -> str | None:
+        link = self.links.get(message.component_id)
+        if (
+            link is None
+            or self._stopping
+            or self.direct_window <= 0
+            or message.component_id not in self.indexed
+        ):
+            return channel.NOT_HERE
+        if message.endpoint_key in self.revoked:
+            return channel.REVOKED
+        key = (message.component_id, message.recipient_key)
+        if (
+            self.stored_ids.get(key)
+            or key in self.recipients
+            or len(self.in_flight) + len(self.direct) >= MAX_IN_FLIGHT
+        ):
+            # What the web process stores now must not be overtaken either, even before its
+            # wake-up reaches us: the phone stays on the stored path until the next index.
+            self._mark(*key, 0)
+            return channel.NOT_HERE
+        try:
+            opened = messages.open_message(message.sealed)
+        except (Unsealable, ValueError):
+            log.error("unifiedpush.unsealable", extra={"component_id": message.component_id})
+            return channel.NOT_HERE
+        self._direct_count += 1
+        iq_id = f"ud{self._direct_count}"
+        entry = Direct(message, opened.jid, time.monotonic(), verdict)
+        entry.timer = verdict.get_loop().call_later(
+            self.direct_window, self._direct_unanswered, iq_id
+        )
+        self.direct[iq_id] = entry
+        link.sender.send_raw(
+            push_iq(
+                iq_id=iq_id,
+                component_jid=link.component_jid,
+                jid=opened.jid,
+                application=opened.application,
+                instance=opened.instance,
+                body=opened.body,
+            )
+        )
+        return None
+
+    def _direct_answered(self, iq_id: str, outcome: Fate) -> None:
+        entry = self.direct[iq_id]
+        if entry.storing:
+            entry.answer = outcome  # applied once the row exists
+            return
+        if entry.timer is not None:
+            entry.timer.cancel()
+        if outcome is Fate.DELIVERED:
+            del self.direct[iq_id]
+            self._record_later(entry.message, UnifiedPushOutcome.DELIVERED)
+            _settle(entry, channel.DELIVERED)
+        elif outcome is Fate.REVOKED:
+            entry.storing = True
+            self._spawn(self._direct_revoke(iq_id))
+        else:
+            self._direct_store(iq_id, answered=True)
+
+    def _direct_unanswered(self, iq_id: str) -> None:
+        """No answer within the window (or the link or gateway goes): stored, then answered."""
+        entry = self.direct.get(iq_id)
+        if entry is None or entry.storing:
+            return
+        if entry.timer is not None:
+            entry.timer.cancel()
+        self._direct_store(iq_id, answered=False)
+
+    def _direct_store(self, iq_id: str, *, answered: bool) -> None:
+        entry = self.direct[iq_id]
+        entry.storing = True
+        if entry.message.ttl == 0:  # RFC 8030: deliver now or never; never kept
+            del self.direct[iq_id]
+            self._record_later(entry.message, UnifiedPushOutcome.EXPIRED, answered=answered)
+            _settle(entry, channel.EXPIRED)
+            return
+        self._spawn(self._store_direct(iq_id, answered=answered))
+
+    async def _store_direct(self, iq_id: str, *, answered: bool) -> None:
+        entry = self.direct[iq_id]
+        message = entry.message
+        # Not due while its answer may still come: the sweep must not send it again meanwhile.
+        pending = None if answered else datetime.now(UTC) + timedelta(seconds=self.answer_timeout)
+        try:
+            message_id = await self.run_blocking(
+                store.store,
+                dataclasses.replace(message, notify=False, next_attempt=pending),
+                max_per_endpoint=conf.current().unifiedpush_max_stored_per_endpoint,
+            )
+        except Exception as error:  # the database is down: the web process tries the store
+            log.warning(
+                "unifiedpush.direct_store_failed", extra={"error_type": type(error).__name__}
+            )
+            del self.direct[iq_id]
+            _settle(entry, channel.FAILED)
+            return
+        del self.direct[iq_id]
+        if message_id is None:  # revoked meanwhile (another link holder's answer)
+            self._note_revoked(message.endpoint_key)
+            _settle(entry, channel.REVOKED)
+            return
+        stored = _as_stored(message, message_id)
+        self._mark(message.component_id, message.recipient_key, message_id)
+        self.known.add(message_id)
+        _settle(entry, channel.STORED, message_id)
+        outcome = entry.answer
+        if outcome is Fate.DELIVERED:
+            self._finish_later(message_id, UnifiedPushOutcome.DELIVERED)
+        elif outcome is Fate.REVOKED:
+            await self._revoke(stored)
+        elif answered or outcome is not None:
+            self._failed(stored)
+        else:
+            self.in_flight[iq_id] = InFlight(stored, entry.jid, time.monotonic())
+
+    async def _direct_revoke(self, iq_id: str) -> None:
+        entry = self.direct.pop(iq_id)
+        message = entry.message
+        try:
+            await self.run_blocking(
+                store.revoke,
+                endpoint_key=message.endpoint_key,
+                tenant_id=message.tenant_id,
+                until=message.endpoint_expires,
+                now=datetime.now(UTC),
+            )
+        except Exception as error:  # stored by the web process; refused again when re-sent
+            log.warning(
+                "unifiedpush.direct_revoke_failed", extra={"error_type": type(error).__name__}
+            )
+            _settle(entry, channel.FAILED)
+            return
+        self._note_revoked(message.endpoint_key)
+        self._record_later(message, UnifiedPushOutcome.REVOKED)
+        log.info("unifiedpush.revoked", extra={"component_id": message.component_id})
+        _settle(entry, channel.REVOKED)
+
+    def _record_later(self, message: NewMessage, outcome: str, *, answered: bool = True) -> None:
+        if len(self._records) >= RECORDS_MAX:
+            log.error("unifiedpush.records_dropped", extra={"outcome": outcome})
+            return
+        self._records.append(
+            DeliveryRecord(
+                tenant_id=message.tenant_id,
+                component_id=message.component_id,
+                outcome=outcome,
+                urgency=message.urgency,
+                received=message.received,
+                finished=datetime.now(UTC),
+                size=message.size,
+                ttl=message.ttl,
+                attempts=1 if answered else 0,
+            )
+        )
+        if len(self._records) >= FINISH_BATCH:
+            self._flush_records()
+        elif self._records_timer is None:
+            self._records_timer = asyncio.get_running_loop().call_later(
+                FINISH_WINDOW, self._flush_records
+            )
+
+    def _flush_records(self) -> None:
+        if self._records_timer is not None:
+            self._records_timer.cancel()
+            self._records_timer = None
+        if self._records:
+            records, self._records = self._records, []
+            self._spawn(self._write_records(records))
+
+    async def _write_records(self, records: list[DeliveryRecord]) -> None:
+        try:
+            await self.run_blocking(store.record, records)
+        except Exception as error:  # kept for the next batch (the push itself was delivered)
+            log.warning("unifiedpush.records_failed", extra={"error_type": type(error).__name__})
+            if self._stopping:
+                log.error("unifiedpush.records_lost", extra={"records": len(records)})
+                return
+            await asyncio.sleep(1.0)
+            self._records[:0] = records[: RECORDS_MAX - len(self._records)]
+            self._flush_records()
+
+    # --- what the direct path must respect: stored messages and revocations
+
+    def _mark(self, component_id: int, recipient_key: str, message_id: int) -> None:
+        key = (component_id, recipient_key)
+        self.stored_ids.setdefault(key, set()).add(message_id)
+        self.stored_key[message_id] = key
+        if self._index_log is not None:
+            self._index_log.append(("mark", (key, message_id)))
+
+    def _unmark(self, message_id: int) -> None:
+        key = self.stored_key.pop(message_id, None)
+        if key is not None:
+            ids = self.stored_ids.get(key)
+            if ids is not None:
+                ids.discard(message_id)
+                if not ids:
+                    del self.stored_ids[key]
+        if self._index_log is not None:
+            self._index_log.append(("unmark", message_id))
+
+    def _note_revoked(self, endpoint_key: str) -> None:
+        self.revoked.add(endpoint_key)
+        if self._index_log is not None:
+            self._index_log.append(("revoked", endpoint_key))
+
+    async def _index(self) -> None:
+        """Read which phones have stored messages, and the revocations, again: the direct
+        path opens for a component only once this has run since its link came up."""
+        component_ids = list(self.links)
+        self._index_log = []
+        try:
+            rows = await self.run_blocking(store.stored_index, component_ids)
+            revoked = await self.run_blocking(store.revoked_keys, now=datetime.now(UTC))
+        except Unavailable:
+            return
+        finally:
+            log_since, self._index_log = self._index_log, None
+        self.stored_ids, self.stored_key = {}, {}
+        for message_id, component_id, recipient_key in rows:
+            self._mark(component_id, recipient_key, message_id)
+        for action, value in log_since:  # what passed here while the index was read
+            if action == "mark":
+                (component_id, recipient_key), message_id = value
+                self._mark(component_id, recipient_key, message_id)
+            elif action == "unmark":
+                self._unmark(value)
+        self.revoked = revoked | {key for action, key in log_since if action == "revoked"}
+        self.indexed = set(component_ids) & set(self.links)
+        self._last_index = time.monotonic()
+
     # --- outcomes
 
     def _failed(self, message: StoredMessage, *, answered: bool = True) -> None:
@@ -381,6 +684,7 @@ class UnifiedPushRelay:
         except Unavailable:
             self.known.discard(message.id)  # retried later; the phone will refuse it again
             return
+        self._note_revoked(message.endpoint_key)
         self.known.discard(message.id)
         log.info(
             "unifiedpush.revoked",
@@ -423,12 +727,18 @@ class UnifiedPushRelay:
             for message_id in ids:
                 self._finish_later(message_id, outcome)
             return
+        for message_id in ids:
+            self._unmark(message_id)
         asyncio.get_running_loop().call_later(
             FORGET_FINISHED_SECONDS, self.known.difference_update, ids
         )
 
     async def _drain_finishes(self) -> None:
+        pending = [task for task in self._tasks if not task.done()]
+        if pending:  # direct messages being stored, revocations
+            await asyncio.wait(pending, timeout=5.0)
         self._flush_finishes()
+        self._flush_records()
         pending = [task for task in self._tasks if not task.done()]
         if pending:
             await asyncio.wait(pending, timeout=5.0)
@@ -463,6 +773,8 @@ class UnifiedPushRelay:
     async def _sweep(self) -> None:
         self._check_timeouts()
         self._forget_old_recipients()
+        if set(self.links) - self.indexed or time.monotonic() - self._last_index > INDEX_SECONDS:
+            await self._index()
         now = datetime.now(UTC)
         if time.monotonic() - self._last_expiry > EXPIRY_SECONDS:
             self._last_expiry = time.monotonic()
@@ -516,3 +828,26 @@ class UnifiedPushRelay:
                 log.warning("unifiedpush.listen_lost", extra={"error_type": type(error).__name__})
             await asyncio.sleep(delay)
             delay = min(10.0, delay * 2)
+
+
+def _settle(entry: Direct, verdict: str, message_id: int | None = None) -> None:
+    if not entry.verdict.done():  # its web process may have gone meanwhile
+        entry.verdict.set_result((verdict, message_id))
+
+
+def _as_stored(message: NewMessage, message_id: int) -> StoredMessage:
+    return StoredMessage(
+        id=message_id,
+        tenant_id=message.tenant_id,
+        component_id=message.component_id,
+        endpoint_key=message.endpoint_key,
+        recipient_key=message.recipient_key,
+        urgency=message.urgency,
+        received=message.received,
+        expires=message.expires,
+        endpoint_expires=message.endpoint_expires,
+        size=message.size,
+        ttl=message.ttl,
+        attempts=0,
+        sealed=message.sealed,
+    )

@@ -71,7 +71,9 @@ def fair_share(links: int, gateways: int) -> int:
     return math.ceil(links / max(1, gateways))
 
 
-def lease_round(*, gateway: str, ttl: float, now: datetime | None = None) -> LeaseRound:
+def lease_round(
+    *, gateway: str, ttl: float, now: datetime | None = None, channel: str = ""
+) -> LeaseRound:
     """Heartbeat, renew what we hold, take free leases up to our fair share: one transaction.
 
     `now` is for tests; otherwise the database's clock."""
@@ -80,8 +82,8 @@ def lease_round(*, gateway: str, ttl: float, now: datetime | None = None) -> Lea
         expires = now + timedelta(seconds=ttl)
         GatewayInstance.objects.update_or_create(
             name=gateway,
-            defaults={"expires": expires},
-            create_defaults={"started": now, "expires": expires},
+            defaults={"expires": expires, "channel": channel},
+            create_defaults={"started": now, "expires": expires, "channel": channel},
         )
         GatewayInstance.objects.filter(expires__lt=now - FORGET_GATEWAYS_AFTER).delete()
         live = GatewayInstance.objects.filter(expires__gt=now).count()
@@ -155,6 +157,23 @@ def holds(*, gateway: str, component_id: int) -> bool:
     return not LinkLease.objects.filter(
         ~Q(holder=gateway), component_id=component_id, expires__gt=now
     ).exists()
+
+
+def channel_of(component_id: int) -> str:
+    """Where the gateway holding a component's link takes UnifiedPush messages directly
+    ("" when nobody holds it or its holder has no channel). Read by web processes, which
+    cache it for a few seconds: a stale answer only makes that gateway decline."""
+    row = (
+        GatewayInstance.objects.filter(
+            name__in=LinkLease.objects.filter(component_id=component_id)
+            .exclude(holder="")
+            .values("holder"),
+            expires__gt=datetime.now(UTC),
+        )
+        .values_list("channel", flat=True)
+        .first()
+    )
+    return row or ""
 
 
 def holder_of(lease: LinkLease | None) -> str:

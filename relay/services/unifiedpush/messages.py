@@ -20,6 +20,7 @@ import binascii
 import hmac
 import math
 import re
+import secrets
 import struct
 import threading
 import time
@@ -30,7 +31,8 @@ from django.db import DatabaseError
 
 from relay import conf
 from relay.models import Component, UnifiedPushUrgency
-from relay.services.unifiedpush import store, tokens
+from relay.services import link_leases
+from relay.services.unifiedpush import channel, store, tokens
 from relay.services.unifiedpush.keys import KeyRing, keyring
 from relay.services.unifiedpush.limits import TokenBuckets
 from relay.services.unifiedpush.registration import PUSH_PATH
@@ -72,6 +74,7 @@ class Policy:
     endpoint_url: str
     tenant_rate: float | None
     tenant_burst: float | None
+    channel: str = ""  # the direct path to the gateway holding the link, if one announced it
 
 
 class _PolicyCache:
@@ -114,6 +117,9 @@ def _read_policy(component_id: int) -> Policy | None:
     if component is None:
         return None
     tenant = component.tenant
+    channel = ""
+    if conf.current().unifiedpush_direct_seconds > 0:
+        channel = link_leases.channel_of(component.pk)
     return Policy(
         component_id=component.pk,
         tenant_id=tenant.pk,
@@ -122,6 +128,7 @@ def _read_policy(component_id: int) -> Policy | None:
         endpoint_url=component.unifiedpush_endpoint_url,
         tenant_rate=tenant.rate_limit_per_second,
         tenant_burst=float(tenant.rate_limit_burst) if tenant.rate_limit_burst else None,
+        channel=channel,
     )
 
 
@@ -362,7 +369,8 @@ def store_message(
     now: float,
     keys: tuple[str, str] | None = None,
 ) -> Accepted:
-    """Store one message; `keys` are its endpoint's and recipient's keyed hashes if known."""
+    """Deliver or store one message; `keys` are its endpoint's and recipient's keyed hashes
+    if known."""
     received = datetime.fromtimestamp(now, UTC)
     endpoint_hash, recipient_hash = keys or (endpoint_key(endpoint), recipient_key(endpoint))
     message = store.NewMessage(
@@ -379,6 +387,35 @@ def store_message(
         ttl=ttl,
         sealed=seal_message(endpoint, body),
     )
+    message_id = _deliver_or_store(message, policy)
+    location = policy.endpoint_url.rstrip("/") + MESSAGE_PATH + message_reference(message_id)
+    return Accepted(
+        message_id=message_id,
+        location=location,
+        ttl=ttl,
+        urgency=UnifiedPushUrgency(urgency).label,
+    )
+
+
+# Ids of messages that ended on the direct path (never stored): their Location must name a
+# message resource, which DELETE then finds gone (404). Above any id the table's sequence
+# hands out, so it never names a stored message.
+_DIRECT_IDS = 1 << 62
+
+
+def _deliver_or_store(message: store.NewMessage, policy: Policy) -> int:
+    """Offer the message to the gateway holding its link (the direct path, see `channel`);
+    store it here when that gateway declines or cannot be reached."""
+    window = conf.current().unifiedpush_direct_seconds
+    if policy.channel and window > 0:
+        handover = channel.hand_over(policy.channel, message, window=window)
+        if handover is not None:
+            if handover.verdict in (channel.DELIVERED, channel.EXPIRED):
+                return _DIRECT_IDS + secrets.randbelow(_DIRECT_IDS)
+            if handover.verdict == channel.STORED and handover.message_id is not None:
+                return handover.message_id
+            if handover.verdict == channel.REVOKED:
+                raise PushRefused(NOT_FOUND, "no such endpoint")
     try:
         message_id = store.store(
             message, max_per_endpoint=conf.current().unifiedpush_max_stored_per_endpoint
@@ -387,13 +424,7 @@ def store_message(
         raise PushRefused(503, "storage unavailable", retry_after=5) from None
     if message_id is None:
         raise PushRefused(NOT_FOUND, "no such endpoint")
-    location = policy.endpoint_url.rstrip("/") + MESSAGE_PATH + message_reference(message_id)
-    return Accepted(
-        message_id=message_id,
-        location=location,
-        ttl=ttl,
-        urgency=UnifiedPushUrgency(urgency).label,
-    )
+    return message_id
 
 
 def discover(*, token: str, now: float | None = None) -> None:

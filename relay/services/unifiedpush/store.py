@@ -58,6 +58,10 @@ class NewMessage:
     size: int
     ttl: int
     sealed: bytes
+    # Set by the gateway when it stores a message it already sent (the direct path,
+    # `xmppgateway.unifiedpush`): no wake-up, and not due while its answer may still come.
+    notify: bool = True
+    next_attempt: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +132,7 @@ WITH input AS (
         ord integer, tenant_id bigint, component_id bigint, endpoint_key text,
         recipient_key text, topic_key text, urgency smallint, received timestamptz,
         expires timestamptz, endpoint_expires timestamptz, size integer, ttl integer,
-        sealed text, meta text, chunk integer)
+        sealed text, meta text, chunk integer, notify boolean, next_attempt timestamptz)
 ), accepted AS (
     SELECT nextval('{{sequence}}'::regclass) AS id, input.*
     FROM input
@@ -140,7 +144,8 @@ WITH input AS (
         topic_key, urgency, received, expires, endpoint_expires, next_attempt, attempts, size,
         ttl, sealed)
     SELECT id, tenant_id, component_id, endpoint_key, recipient_key, topic_key, urgency,
-        received, expires, endpoint_expires, received, 0, size, ttl, decode(sealed, 'base64')
+        received, expires, endpoint_expires, coalesce(next_attempt, received), 0, size, ttl,
+        decode(sealed, 'base64')
     FROM accepted ORDER BY ord
 ), replaced AS (
     DELETE FROM {MESSAGES} m USING (
@@ -182,7 +187,7 @@ WITH input AS (
     SELECT pg_notify('{CHANNEL}', string_agg(
         id::text || ' ' || meta || ' ' || CASE WHEN length(sealed) < 6700 THEN sealed ELSE '-' END,
         E'\\n' ORDER BY ord))
-    FROM accepted GROUP BY chunk
+    FROM accepted WHERE notify GROUP BY chunk
 )
 SELECT ord, id, (SELECT count(*) FROM dropped), (SELECT count(*) FROM notified) FROM accepted
 """
@@ -262,6 +267,10 @@ def _store_postgres(messages: Sequence[NewMessage], *, max_per_endpoint: int) ->
                 "sealed": sealed,
                 "meta": meta,
                 "chunk": chunk,
+                "notify": message.notify,
+                "next_attempt": (
+                    message.next_attempt.isoformat() if message.next_attempt else None
+                ),
             }
         )
     result = _execute_prepared(
@@ -374,7 +383,7 @@ def _store_portable(message: NewMessage, *, max_per_endpoint: int) -> int | None
             received=message.received,
             expires=message.expires,
             endpoint_expires=message.endpoint_expires,
-            next_attempt=message.received,
+            next_attempt=message.next_attempt or message.received,
             size=message.size,
             ttl=message.ttl,
             sealed=message.sealed,
@@ -484,7 +493,9 @@ def postpone(
 ) -> None:
     """A temporary failure: nothing for this phone is due before `until`."""
     with transaction.atomic():
-        UnifiedPushMessage.objects.filter(pk__in=failed_ids).update(attempts=F("attempts") + 1)
+        UnifiedPushMessage.objects.filter(pk__in=failed_ids).update(
+            attempts=F("attempts") + 1, next_attempt=until
+        )
         UnifiedPushMessage.objects.filter(
             component_id=component_id, recipient_key=recipient_key, next_attempt__lt=until
         ).update(next_attempt=until)
@@ -512,3 +523,85 @@ def count_sealed_with_other_keys(kids: Sequence[str]) -> int:
             [kid.encode() for kid in kids],
         )
         return int(cursor.fetchone()[0])
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRecord:
+    """How a message that was never stored ended (the gateway's direct path)."""
+
+    tenant_id: int
+    component_id: int
+    outcome: str
+    urgency: int
+    received: datetime
+    finished: datetime
+    size: int
+    ttl: int
+    attempts: int
+
+
+_PG_RECORD = f"""
+INSERT INTO {DELIVERIES} ({_RECORD_COLUMNS})
+SELECT {_RECORD_COLUMNS} FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(
+    tenant_id bigint, component_id bigint, outcome text, urgency smallint,
+    received timestamptz, finished timestamptz, size integer, ttl integer, attempts integer)
+"""
+
+
+def record(records: Sequence[DeliveryRecord]) -> None:
+    """Write the delivery records of messages that ended without being stored (one statement
+    per batch on PostgreSQL, like `finish`)."""
+    if not records:
+        return
+    if connection.vendor == "postgresql":
+        rows = [
+            {
+                "tenant_id": r.tenant_id,
+                "component_id": r.component_id,
+                "outcome": r.outcome,
+                "urgency": r.urgency,
+                "received": r.received.isoformat(),
+                "finished": r.finished.isoformat(),
+                "size": r.size,
+                "ttl": r.ttl,
+                "attempts": r.attempts,
+            }
+            for r in records
+        ]
+        _execute_prepared(_PG_RECORD + " RETURNING 1", {"rows": json.dumps(rows)})
+        return
+    UnifiedPushDelivery.objects.bulk_create(
+        [
+            UnifiedPushDelivery(
+                tenant_id=r.tenant_id,
+                component_id=r.component_id,
+                outcome=r.outcome,
+                urgency=r.urgency,
+                received=r.received,
+                finished=r.finished,
+                size=r.size,
+                ttl=r.ttl,
+                attempts=r.attempts,
+            )
+            for r in records
+        ]
+    )
+
+
+def stored_index(component_ids: Sequence[int]) -> list[tuple[int, int, str]]:
+    """(id, component, recipient key) of every stored message of these components: what the
+    gateway must not overtake."""
+    return list(
+        UnifiedPushMessage.objects.filter(component_id__in=component_ids).values_list(
+            "id", "component_id", "recipient_key"
+        )
+    )
+
+
+def revoked_keys(*, now: datetime) -> set[str]:
+    """Endpoint keys revoked and not yet expired."""
+    return set(
+        UnifiedPushRevocation.objects.filter(expires__gte=now).values_list(
+            "endpoint_key", flat=True
+        )
+    )

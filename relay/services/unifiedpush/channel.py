@@ -1,0 +1,183 @@
+"""The hop from a web process to the gateway that holds a component's link: the direct path.
+
+A POST for a phone that is online needs no store: the web process hands the sealed message
+to the gateway, which sends the `<push>` iq at once and answers when the phone did. Only when
+the phone did not take it within `RELAY_UNIFIEDPUSH_DIRECT_SECONDS` (offline, hibernated,
+slow, an error) does the gateway store it, exactly as the web process would have, and then
+the POST is answered. Either way a `201` is only ever sent for a message that was delivered
+or stored, and the gateway refuses the direct path whenever it could reorder a phone's
+messages (it has stored ones, or might) or does not hold the link: then the web process
+stores the message itself, the way every message went before.
+
+Wire format, one line each way over a TCP connection the web process keeps (per thread):
+
+    request:  <n> <tenant> <component> <endpoint key> <recipient key> <topic key or -> <urgency>
+              <received µs> <expires µs> <endpoint expires µs> <size> <ttl> <sealed, base64>
+    answer:   <n> D            delivered (the phone answered result)
+              <n> X            TTL 0 and not taken at once: ended as expired, never stored
+              <n> S <id>       stored as message <id> (the phone did not take it yet)
+              <n> R            revoked (the phone refused the endpoint): 404
+              <n> N            not here: store it yourself
+              <n> E            the gateway could not store it: store it yourself
+
+The JID, application, instance and body travel only inside the sealed part (AES-256-GCM
+under UNIFIEDPUSH_KEYS), so the gateway sends nothing it could not open and authenticate.
+The listener is on loopback unless RELAY_UNIFIEDPUSH_CHANNEL says otherwise.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from relay.services.unifiedpush.store import NewMessage
+
+log = logging.getLogger(__name__)
+
+DELIVERED, EXPIRED, STORED, REVOKED, NOT_HERE, FAILED = "D", "X", "S", "R", "N", "E"
+MAX_LINE = 16 * 1024  # a 4096-byte body sealed and in base64, with room to spare
+CONNECT_SECONDS = 0.5
+# How much longer than the gateway's window the web process waits for an answer before it
+# gives up on the hop (the gateway may be stuck) and stores the message itself.
+ANSWER_SLACK_SECONDS = 5.0
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _us(moment: datetime) -> int:
+    return int(moment.timestamp() * 1_000_000)
+
+
+def _moment(value: str) -> datetime:
+    return datetime.fromtimestamp(int(value) / 1_000_000, UTC)
+
+
+def parse_bind(value: str) -> tuple[str, int] | None:
+    """host:port, or None for "off" / empty; ValueError for anything else."""
+    value = value.strip()
+    if value.lower() in ("", "off"):
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError("expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def encode_request(number: int, message: NewMessage) -> bytes:
+    return (
+        f"{number} {message.tenant_id} {message.component_id} {message.endpoint_key} "
+        f"{message.recipient_key} {message.topic_key or '-'} {message.urgency} "
+        f"{_us(message.received)} {_us(message.expires)} {_us(message.endpoint_expires)} "
+        f"{message.size} {message.ttl} {base64.b64encode(message.sealed).decode()}\n"
+    ).encode()
+
+
+def parse_request(line: bytes) -> tuple[int, NewMessage]:
+    """The request number and the message; BadRequest for anything else."""
+    parts = line.split()
+    if len(parts) != 13:
+        raise BadRequest("wrong number of fields")
+    try:
+        texts = [part.decode("ascii") for part in parts]
+        message = NewMessage(
+            tenant_id=int(texts[1]),
+            component_id=int(texts[2]),
+            endpoint_key=texts[3],
+            recipient_key=texts[4],
+            topic_key="" if texts[5] == "-" else texts[5],
+            urgency=int(texts[6]),
+            received=_moment(texts[7]),
+            expires=_moment(texts[8]),
+            endpoint_expires=_moment(texts[9]),
+            size=int(texts[10]),
+            ttl=int(texts[11]),
+            sealed=base64.b64decode(parts[12], validate=True),
+        )
+        return int(texts[0]), message
+    except (ValueError, OverflowError, OSError, UnicodeDecodeError, binascii.Error) as error:
+        raise BadRequest(str(error)) from None
+
+
+def encode_answer(number: int, verdict: str, message_id: int | None = None) -> bytes:
+    if message_id is None:
+        return f"{number} {verdict}\n".encode()
+    return f"{number} {verdict} {message_id}\n".encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    verdict: str
+    message_id: int | None = None
+
+
+class _Connection:
+    def __init__(self, address: str, timeout: float) -> None:
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(timeout)
+        self.reader = self.sock.makefile("rb")
+        self.number = 0
+
+    def close(self) -> None:
+        for closable in (self.reader, self.sock):
+            with contextlib.suppress(OSError):
+                closable.close()
+
+
+_local = threading.local()
+
+
+def hand_over(address: str, message: NewMessage, *, window: float) -> Handover | None:
+    """Offer a message to the gateway at `address`: its verdict, or None when the hop failed
+    (the caller stores the message; the phone may then get it twice, never zero times)."""
+    connections: dict[str, _Connection] = _local.__dict__.setdefault("connections", {})
+    for attempt in (1, 2):  # a kept connection the gateway closed meanwhile: one fresh try
+        conn = connections.get(address)
+        fresh = conn is None
+        try:
+            if conn is None:
+                conn = connections[address] = _Connection(
+                    address, timeout=window + ANSWER_SLACK_SECONDS
+                )
+            conn.number += 1
+            conn.sock.sendall(encode_request(conn.number, message))
+            line = conn.reader.readline(MAX_LINE)
+            if not line:
+                raise ConnectionResetError("closed by the gateway")
+            fields = line.split()
+            if len(fields) < 2 or int(fields[0]) != conn.number:
+                raise ConnectionError("answer out of step")
+            verdict = fields[1].decode("ascii")
+            if verdict == STORED:
+                return Handover(STORED, int(fields[2]))
+            if verdict in (DELIVERED, EXPIRED, REVOKED, NOT_HERE, FAILED):
+                return Handover(verdict)
+            raise ConnectionError("unknown answer")
+        except (OSError, ValueError, IndexError) as error:
+            if conn is not None:
+                conn.close()
+            connections.pop(address, None)
+            if isinstance(error, TimeoutError) or fresh or attempt == 2:
+                # A timeout means the gateway may be sending it: a second offer would only
+                # duplicate; the store is the safe way on.
+                log.warning(
+                    "unifiedpush.channel_failed", extra={"error_type": type(error).__name__}
+                )
+                return None
+    return None
+
+
+def forget_connections() -> None:
+    """Close this thread's kept connections (tests, and a worker that stops)."""
+    connections: dict[str, _Connection] = _local.__dict__.pop("connections", {})
+    for conn in connections.values():
+        conn.close()
