@@ -82,6 +82,7 @@ def test_a_push_iq_carries_the_body_to_the_full_jid():
         await relay._index()  # as the first sweep after a link comes up
         relay.consider(stored(7, b"\x00body"))
         relay.consider(stored(7, b"\x00body"))  # known: not twice
+        await asyncio.sleep(0)  # pushes leave at the end of the loop's turn
         return wire.sent
 
     [sent] = run(scenario())
@@ -99,6 +100,7 @@ def test_only_the_phone_itself_can_answer_and_a_failure_holds_it_back():
         await relay._index()  # as the first sweep after a link comes up
         message = stored(8)
         relay.consider(message)
+        await asyncio.sleep(0)
         iq_id = ET.fromstring(wire.sent[0]).get("id")
         assert relay.on_iq_answer(1, answer(iq_id, "mallory@example.com/x"))
         assert iq_id in relay.in_flight  # still waiting for the phone
@@ -121,11 +123,13 @@ def test_a_stale_read_of_a_delivered_message_does_not_send_it_again():
         await relay._index()  # as the first sweep after a link comes up
         message = stored(10)
         relay.consider(message)
+        await asyncio.sleep(0)
         iq_id = ET.fromstring(wire.sent[0]).get("id")
         assert relay.on_iq_answer(1, answer(iq_id, JID))  # delivered
         for _ in range(5):  # the finish window passes, the row is deleted
             await asyncio.sleep(0.03)
         relay.consider(message, flush=True)  # what the stale read returned
+        await asyncio.sleep(0)
         return wire.sent
 
     assert len(run(scenario())) == 1
@@ -169,6 +173,7 @@ def test_an_offer_is_sent_and_answered_when_the_phone_took_it():
         before_index = relay.offer(offered(stored(1)))
         await relay._index()
         verdict = relay.offer(offered(stored(2, b"now")))
+        await asyncio.sleep(0)
         [sent] = wire.sent
         iq = ET.fromstring(sent)
         assert base64.b64decode(iq.find(f"{{{UP_NS}}}push").text) == b"now"
@@ -193,9 +198,29 @@ def test_an_offer_never_overtakes_a_stored_message_or_reaches_a_revoked_endpoint
         behind_stored = relay.offer(offered(stored(6)))
         relay.revoked.add("e" * 32)
         revoked = relay.offer(offered(stored(7)))
+        await asyncio.sleep(0)
         return behind_stored.result(), revoked.result(), wire.sent
 
     behind_stored, revoked, sent = run(scenario())
     assert behind_stored == ("N", None)
     assert revoked == ("R", None)
     assert sent == []
+
+
+def test_pushes_ready_in_one_turn_of_the_loop_leave_in_one_write():
+    async def scenario():
+        relay, wire = UnifiedPushRelay(no_database), Wire()
+        relay.link_up(1, "up.example.org", wire)
+        await relay._index()
+        relay.consider(stored(21, b"one"))
+        relay.consider(stored(22, b"two"), flush=True)
+        await asyncio.sleep(0)
+        relay.consider(stored(23, b"three"), flush=True)
+        await asyncio.sleep(0)
+        return wire.sent
+
+    first, second = run(scenario())
+    pushes = ET.fromstring(b"<wire>" + first + b"</wire>").findall("iq")
+    bodies = [base64.b64decode(iq.find(f"{{{UP_NS}}}push").text) for iq in pushes]
+    assert bodies == [b"one", b"two"]
+    assert base64.b64decode(ET.fromstring(second).find(f"{{{UP_NS}}}push").text) == b"three"
