@@ -17,8 +17,12 @@ Named in the Procfile, compose.yaml, the Dockerfile and the systemd unit with
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
+import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -29,6 +33,7 @@ from gunicorn.workers.gthread import _DEFER, DEFAULT_WORKER_DATA_TIMEOUT, Thread
 log = logging.getLogger("relay.unifiedpush_http")
 
 PREFIX = b"POST /push/v4.local."
+_ADOPTED = object()  # handle()'s answer for a connection the push loop took over
 MAX_HEAD = 8192  # a longer head goes to gunicorn, which applies its own limits
 MAX_BODY = 4096 + 1  # relay.services.unifiedpush.messages.MAX_BODY_BYTES, +1 to see excess
 READ_TIMEOUT = 5.0  # a client that stalls mid-request loses the connection
@@ -133,6 +138,26 @@ class PushWorker(ThreadWorker):
     """gunicorn's gthread worker with the UnifiedPush POST shortcut (see the module)."""
 
     alive: bool  # gunicorn's base worker sets it
+    push_loop: PushLoop | None = None
+
+    def init_process(self) -> None:
+        if not self.cfg.is_ssl:
+            self.push_loop = PushLoop(self)
+        super().init_process()
+
+    def finish_request(self, conn: Any, fs: Any) -> None:
+        if not fs.cancelled() and fs.exception() is None and fs.result() is _ADOPTED:
+            return  # the push loop has it now, and gives it back or closes it
+        super().finish_request(conn, fs)
+
+    def connection_done(self) -> None:
+        """An adopted connection closed (called on gunicorn's main thread)."""
+        self.nr_conns -= 1
+
+    def give_back(self, conn: Any) -> None:
+        """An adopted connection whose next request is not a plain POST to an endpoint:
+        gunicorn's machinery takes it from here (called on gunicorn's main thread)."""
+        self.enqueue_req(conn)
 
     def handle(self, conn: Any) -> Any:
         if self.cfg.is_ssl:
@@ -197,28 +222,50 @@ class PushWorker(ThreadWorker):
         request = _Request(token, headers, data[end + 4 : body_end], close)
         return self._answer(conn, request)
 
-    def _answer(self, conn: Any, request: _Request) -> bool:
+    def _answer(self, conn: Any, request: _Request) -> Any:
         # Imported here: Django is set up only once gunicorn has loaded the application.
-        from django.db import close_old_connections
-
         from relay import unifiedpush_http
-        from relay.metrics import HTTP_DURATION, HTTP_REQUESTS
 
         started = time.perf_counter()
         body = request.body
-        try:
-            status, headers, content = unifiedpush_http.post(
+        status, headers, content = self._guarded(
+            lambda: unifiedpush_http.post(
                 token=request.token,
                 content_length=str(len(body)),
                 transfer_encoding="",
                 read=lambda size: body[:size],
                 header=lambda name: request.headers.get(name.lower()),
             )
+        )
+        keep = self._keep(request)
+        payload, headers = self._render(status, headers, content, keep)
+        try:
+            sent = conn.sock.send(payload)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(payload):  # a full send buffer: wait for it, within the timeout
+            conn.sock.settimeout(READ_TIMEOUT)
+            conn.sock.sendall(payload[sent:])
+        self._record(conn, request, status, headers, len(payload), started)
+        if keep and self.push_loop is not None and not conn.parser.unreader.buf.getvalue():
+            # Its next POSTs are served by the event loop, without a thread each.
+            self.push_loop.adopt(conn)
+            return _ADOPTED
+        return keep
+
+    def _guarded(self, answer: Any) -> tuple[int, list[tuple[str, str]], bytes]:
+        from django.db import close_old_connections
+
+        try:
+            status, headers, content = answer()
         except Exception as error:  # what Django would turn into a 500, logged without details
             log.exception("unifiedpush.post_crashed", extra={"error_type": type(error).__name__})
             status, headers, content = 500, [("Content-Type", "application/json")], b"{}"
         if status >= 500:
             close_old_connections()  # a dropped database connection is reopened next time
+        return status, headers, content
+
+    def _keep(self, request: _Request) -> bool:
         self.nr += 1
         keep = not request.close and self.alive and bool(self.cfg.keepalive)
         if self.nr >= self.max_requests:
@@ -228,6 +275,13 @@ class PushWorker(ThreadWorker):
             keep = False
         if len(self.keepalived_conns) >= self.max_keepalived:
             keep = False
+        return keep
+
+    def _render(
+        self, status: int, headers: list[tuple[str, str]], content: bytes, keep: bool
+    ) -> tuple[bytes, list[tuple[str, str]]]:
+        from relay import unifiedpush_http
+
         headers = [
             *headers,
             *unifiedpush_http.SECURITY_HEADERS,
@@ -241,20 +295,24 @@ class PushWorker(ThreadWorker):
         ]
         if not keep:
             head.append(b"Connection: close")
-        payload = b"\r\n".join(head) + b"\r\n\r\n" + content
-        try:
-            sent = conn.sock.send(payload)
-        except BlockingIOError:
-            sent = 0
-        if sent < len(payload):  # a full send buffer: wait for it, within the timeout
-            conn.sock.settimeout(READ_TIMEOUT)
-            conn.sock.sendall(payload[sent:])
+        return b"\r\n".join(head) + b"\r\n\r\n" + content, headers
+
+    def _record(
+        self,
+        conn: Any,
+        request: _Request,
+        status: int,
+        headers: list[tuple[str, str]],
+        sent: int,
+        started: float,
+    ) -> None:
+        from relay.metrics import HTTP_DURATION, HTTP_REQUESTS
+
         elapsed = time.perf_counter() - started
         HTTP_REQUESTS.labels("push", "POST", str(status)).inc()  # relay.metrics.http_handler
         HTTP_DURATION.labels("push").observe(elapsed)
         if self.log.access_log_enabled:
-            self._access_log(conn, request, status, headers, len(payload), elapsed)
-        return keep
+            self._access_log(conn, request, status, headers, sent, elapsed)
 
     def _access_log(
         self,
@@ -283,3 +341,220 @@ class PushWorker(ThreadWorker):
             environ,
             timedelta(seconds=elapsed),
         )
+
+
+class PushLoop:
+    """Kept-alive connections that POST to endpoints, served by one event loop in a thread of
+    the worker, with the direct path's connection to the gateway shared by all of them.
+
+    Why: a POST waits for the phone (the direct path), and in gthread a waiting request holds
+    a thread, and every request passes between the main thread and a pool thread (futures, a
+    wake-up pipe, poller registrations, GIL hand-offs). That machinery cost more CPU than the
+    POST itself (bench/unifiedpush.py, per-process CPU and py-spy). A connection is adopted
+    after its first POST was answered the usual way; whatever is not a plain POST to an
+    endpoint goes back to gunicorn with the bytes read. What may wait for the database (a
+    cold cache, storing a message) runs on the worker's thread pool.
+    """
+
+    def __init__(self, worker: PushWorker) -> None:
+        self.worker = worker
+        self.loop = asyncio.new_event_loop()
+        self.connections: set[_Adopted] = set()
+        self.channels: Any = None
+        self._thread = threading.Thread(target=self._run, name="push-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._tick)
+        self.loop.run_forever()
+
+    def adopt(self, conn: Any) -> None:
+        """Called from a pool thread once the connection's answer was sent."""
+        self.loop.call_soon_threadsafe(self._adopt, conn)
+
+    def _adopt(self, conn: Any) -> None:
+        adopted = _Adopted(self, conn)
+        self.connections.add(adopted)
+        adopted.start()
+
+    def _tick(self) -> None:
+        """Once a second: idle and stalled connections close, and all idle ones when the
+        worker stops."""
+        now = time.monotonic()
+        keepalive = float(self.worker.cfg.keepalive or 0)
+        for adopted in list(self.connections):
+            if adopted.busy:
+                continue
+            if (
+                not self.worker.alive
+                or (not adopted.buffer and now - adopted.since > keepalive)
+                or (adopted.buffer and now - adopted.since > READ_TIMEOUT)
+            ):
+                adopted.close()
+        self.loop.call_later(1.0, self._tick)
+
+    async def post(self, request: _Request) -> tuple[int, list[tuple[str, str]], bytes]:
+        from relay import conf, unifiedpush_http
+        from relay.services.unifiedpush.channel import AsyncChannels
+
+        if self.channels is None:
+            self.channels = AsyncChannels(window=conf.current().unifiedpush_direct_seconds)
+        body = request.body
+        return await unifiedpush_http.post_in_loop(
+            token=request.token,
+            body=body,
+            header=lambda name: request.headers.get(name.lower()),
+            channels=self.channels,
+            in_thread=self._in_thread,
+        )
+
+    async def _in_thread(self, answer: Any) -> tuple[int, list[tuple[str, str]], bytes]:
+        future = self.worker.tpool.submit(self.worker._guarded, answer)
+        result: tuple[int, list[tuple[str, str]], bytes] = await asyncio.wrap_future(future)
+        return result
+
+
+class _Adopted:
+    """One adopted connection: requests are read and answered one at a time, in order."""
+
+    def __init__(self, owner: PushLoop, conn: Any) -> None:
+        self.owner = owner
+        self.conn = conn
+        self.sock = conn.sock
+        self.buffer = b""
+        self.busy = False
+        self.closed = False
+        self.since = time.monotonic()
+        self._unsent = b""
+
+    def start(self) -> None:
+        self.sock.setblocking(False)
+        with contextlib.suppress(OSError):  # an answer never waits for the previous one's ACK
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.owner.loop.add_reader(self.sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = self.sock.recv(MAX_HEAD + MAX_BODY)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        if not data:
+            self.close()
+            return
+        if not self.buffer:
+            self.since = time.monotonic()
+        self.buffer += data
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        data = self.buffer
+        if not data:
+            return
+        if not (data.startswith(PREFIX) or (len(data) < len(PREFIX) and PREFIX.startswith(data))):
+            self._give_back()
+            return
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            if len(data) >= MAX_HEAD:
+                self._give_back()
+            return  # the rest of the head is on its way
+        parsed = parse_head(data[:end])
+        if parsed is None:
+            self._give_back()
+            return
+        token, headers, length, close = parsed
+        body_end = end + 4 + length
+        if len(data) < body_end:
+            return  # the rest of the body is on its way
+        self.buffer = data[body_end:]
+        self.busy = True
+        request = _Request(token, headers, data[end + 4 : body_end], close)
+        self.owner.loop.create_task(self._serve(request))
+
+    async def _serve(self, request: _Request) -> None:
+        worker = self.owner.worker
+        started = time.perf_counter()
+        try:
+            status, headers, content = await self.owner.post(request)
+        except Exception as error:  # what Django would turn into a 500, logged without details
+            log.exception("unifiedpush.post_crashed", extra={"error_type": type(error).__name__})
+            status, headers, content = 500, [("Content-Type", "application/json")], b"{}"
+        if self.closed:
+            return  # the client went away; the message was handled all the same
+        keep = worker._keep(request)
+        payload, headers = worker._render(status, headers, content, keep)
+        self._send(payload)
+        worker._record(self.conn, request, status, headers, len(payload), started)
+        self.busy = False
+        self.since = time.monotonic()
+        if not keep:
+            self._close_after_send()
+        elif self.buffer and not self._unsent:
+            self._next()
+
+    def _send(self, payload: bytes) -> None:
+        try:
+            sent = self.sock.send(payload)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self.close()
+            return
+        if sent < len(payload):  # a full send buffer: the rest when the socket can take it
+            self._unsent = payload[sent:]
+            self.owner.loop.add_writer(self.sock.fileno(), self._writable)
+
+    def _writable(self) -> None:
+        try:
+            sent = self.sock.send(self._unsent)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        self._unsent = self._unsent[sent:]
+        if not self._unsent:
+            self.owner.loop.remove_writer(self.sock.fileno())
+            if self.closed:
+                self._release()
+            elif self.buffer and not self.busy:
+                self._next()
+
+    def _close_after_send(self) -> None:
+        if self._unsent:
+            self.closed = True  # released once the answer is out
+            self.owner.loop.remove_reader(self.sock.fileno())
+            self.owner.connections.discard(self)
+        else:
+            self.close()
+
+    def _detach(self) -> None:
+        self.closed = True
+        self.owner.connections.discard(self)
+        self.owner.loop.remove_reader(self.sock.fileno())
+        if self._unsent:
+            self.owner.loop.remove_writer(self.sock.fileno())
+
+    def _give_back(self) -> None:
+        """Not a plain POST to an endpoint: gunicorn reads it, starting with what we read."""
+        self._detach()
+        self.sock.setblocking(True)
+        self.conn.parser.unreader.unread(self.buffer)
+        self.buffer = b""
+        self.owner.worker.method_queue.defer(self.owner.worker.give_back, self.conn)
+
+    def close(self) -> None:
+        if self.closed and not self._unsent:
+            return
+        self._detach()
+        self._release()
+
+    def _release(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        self.owner.worker.method_queue.defer(self.owner.worker.connection_done)

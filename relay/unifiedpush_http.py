@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from django.db import close_old_connections
 
 from relay.services.unifiedpush import messages
+from relay.services.unifiedpush.channel import AsyncChannels
 from relay.services.unifiedpush.messages import MAX_BODY_BYTES, PushRefused
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ def post(
         )
     except PushRefused as refusal:
         return refused(refusal)
+    return created(accepted)
+
+
+def created(accepted: messages.Accepted) -> Answer:
     return (
         201,
         [("Location", accepted.location), ("TTL", str(accepted.ttl)),
@@ -107,3 +112,55 @@ class FastPushPath:
             [*headers, *SECURITY_HEADERS, ("Content-Length", str(len(body)))],
         )
         return [body]
+
+
+async def post_in_loop(
+    *,
+    token: str,
+    body: bytes,
+    header: Callable[[str], str | None],
+    channels: AsyncChannels,
+    in_thread: Callable[[Callable[[], Answer]], Awaitable[Answer]],
+) -> Answer:
+    """`post` for an event loop (pushsite/web_worker.py), with the same answers: nothing here
+    waits for the database; what would (a cold cache, storing the message) runs `in_thread`."""
+
+    def sync() -> Answer:
+        return post(
+            token=token,
+            content_length=str(len(body)),
+            transfer_encoding="",
+            read=lambda size: body[:size],
+            header=header,
+        )
+
+    try:
+        messages.check_length(len(body))
+        prepared = messages.prepare(
+            token=token,
+            body=body,
+            ttl=header("TTL"),
+            topic=header("Topic"),
+            urgency=header("Urgency"),
+            cached_only=True,
+        )
+    except PushRefused as refusal:
+        return refused(refusal)
+    except messages.ColdCache:
+        return await in_thread(sync)
+    address = messages.direct_address(prepared)
+    handover = await channels.offer(address, prepared.message) if address else None
+    try:
+        accepted = messages.settled_at_once(prepared, handover)
+    except PushRefused as refusal:
+        return refused(refusal)
+    if accepted is not None:
+        return created(accepted)
+
+    def store() -> Answer:
+        try:
+            return created(messages.settle(prepared, None))
+        except PushRefused as refusal:
+            return refused(refusal)
+
+    return await in_thread(store)

@@ -5,8 +5,12 @@ is stored. Real Prosody, gateway and gunicorn, as in test_unifiedpush_e2e."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -129,3 +133,97 @@ def test_a_gateway_gone_during_the_window_loses_nothing(lab, how):  # noqa: F811
     phone.announce(COMPONENT[0])
     wait_until(lambda: lab.delivered() == 1, timeout=20)
     assert not UnifiedPushMessage.objects.exists()
+
+
+class KeepAlive:
+    """One kept-alive HTTP/1.1 connection, as application servers keep them: from its second
+    request on, the web worker's event loop serves it (pushsite/web_worker.py, PushLoop)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.path = parts.path
+        self.http = http.client.HTTPConnection(parts.hostname, parts.port, timeout=20)
+
+    def post(self, body: bytes, **headers: str) -> tuple[int, dict]:
+        self.http.request("POST", self.path, body=body, headers=headers)
+        response = self.http.getresponse()
+        response.read()
+        return response.status, dict(response.headers)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+@pytest.mark.defaults
+def test_posts_on_a_kept_alive_connection_go_the_direct_path_from_the_event_loop(lab):  # noqa: F811
+    phone = lab.phone()
+    endpoint = phone.register_endpoint(COMPONENT[0])
+    connection = KeepAlive(endpoint.url)
+    try:
+        for n in range(20):
+            status, headers = connection.post(f"kept {n}".encode(), TTL="30")
+            assert status == 201 and headers["TTL"] == "30"
+            assert message_id(headers) >= DIRECT_IDS
+        # Past the cached component state's lifetime, within the keep-alive timeout (2 s):
+        # one POST meets a cold cache and is answered from a thread, the others from the loop.
+        deadline = time.monotonic() + messages.POLICY_SECONDS + 0.5
+        slow = 0
+        while time.monotonic() < deadline:
+            time.sleep(0.8)
+            status, headers = connection.post(f"slow {slow}".encode())
+            assert status == 201 and message_id(headers) >= DIRECT_IDS
+            slow += 1
+        other = phone.register_endpoint(COMPONENT[0])
+        phone.answer_with = "item-not-found"
+        revoked = KeepAlive(other.url)
+        assert revoked.post(b"first, from a thread")[0] == 404
+        assert revoked.post(b"then from the loop")[0] == 404
+        revoked.close()
+    finally:
+        connection.close()
+    bodies = [p.body for p in phone.wait_for_pushes(21 + slow)]
+    expected = [f"kept {n}".encode() for n in range(20)] + [
+        f"slow {n}".encode() for n in range(slow)
+    ]
+    assert bodies[: 20 + slow] == expected
+    wait_until(lambda: lab.delivered() == 20 + slow)
+    assert not UnifiedPushMessage.objects.exists()
+    time.sleep(0.5)
+    assert len(phone.pushes_now()) == 21 + slow  # the revoked endpoint's second POST: not sent
+
+
+@pytest.mark.parametrize("how", ["stop", "kill", "client hangs up"])
+def test_a_post_waiting_in_the_event_loop_is_never_lost(lab, how):  # noqa: F811
+    lab.gateway.stop()
+    lab.start_gateway(RELAY_UNIFIEDPUSH_DIRECT_SECONDS="3")
+    phone = lab.phone()
+    endpoint = phone.register_endpoint(COMPONENT[0])
+    connection = KeepAlive(endpoint.url)
+    assert connection.post(b"adopts the connection")[0] == 201
+    phone.answer_with = None
+    answers: list[tuple[int, dict]] = []
+
+    def post() -> None:
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            answers.append(connection.post(b"waiting"))
+
+    waiting = threading.Thread(target=post)
+    waiting.start()
+    phone.wait_for_pushes(2)
+    if how == "stop":
+        assert lab.gateway.stop() == 0  # stores what it holds, then answers
+    elif how == "kill":
+        lab.gateway.kill()  # the web process finds the hop broken and stores it itself
+    else:
+        connection.http.sock.shutdown(socket.SHUT_RDWR)  # nobody will read the answer
+    waiting.join(timeout=15)
+    if how != "client hangs up":
+        [(status, headers)] = answers
+        assert status == 201
+        assert message_id(headers) == UnifiedPushMessage.objects.get().pk
+    # Stored (by the gateway, or by the web process after the hop broke) in every case.
+    wait_until(lambda: UnifiedPushMessage.objects.count() == 1, timeout=10)
+    connection.close()
+    assert "Traceback" not in lab.web.log_text()
+    if how != "client hangs up":
+        lab.start_gateway()  # for the fixture's clean stop

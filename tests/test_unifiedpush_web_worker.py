@@ -163,6 +163,20 @@ def test_the_web_process_answers_posts_itself_and_hands_the_rest_back():
             assert status == 413
             [(status, _, _)] = _exchange(sock, _post(token, b"four"), 1)
             assert status == 201
+            # Adopted by the event loop again: a request in pieces, a pause between them.
+            request = _post(token, b"in pieces")
+            sock.sendall(request[:30])
+            time.sleep(0.3)
+            sock.sendall(request[30:-4])
+            time.sleep(0.3)
+            [(status, _, _)] = _exchange(sock, request[-4:], 1)
+            assert status == 201
+            # A request that stalls half-way: the connection is closed (READ_TIMEOUT, 5 s).
+            sock.sendall(request[:40])
+            sock.settimeout(10)
+            started = time.monotonic()
+            assert sock.recv(100) == b""
+            assert 4 < time.monotonic() - started < 9
         # HTTP/1.0 and Connection: close are answered, then the connection ends.
         with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
             [(status, close_head, _)] = _exchange(
@@ -174,7 +188,7 @@ def test_the_web_process_answers_posts_itself_and_hands_the_rest_back():
             request = _post(token, b"six").replace(b"HTTP/1.1", b"HTTP/1.0", 1)
             [(status, _, _)] = _exchange(sock, request, 1)
             assert status == 201
-        assert UnifiedPushMessage.objects.count() == 6
+        assert UnifiedPushMessage.objects.count() == 7
         log = web.log_text()
         assert "Traceback" not in log, log[-3000:]
         assert token not in log, "the access log names a token"

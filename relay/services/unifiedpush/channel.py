@@ -27,14 +27,17 @@ The listener is on loopback unless RELAY_UNIFIEDPUSH_CHANNEL says otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from relay.services.unifiedpush.store import NewMessage
 
@@ -181,3 +184,125 @@ def forget_connections() -> None:
     connections: dict[str, _Connection] = _local.__dict__.pop("connections", {})
     for conn in connections.values():
         conn.close()
+
+
+class _AsyncClient(asyncio.Protocol):
+    """One connection to one gateway, shared by every POST of an event loop: offers are
+    numbered, written together once per turn of the loop, and matched to their answers."""
+
+    def __init__(self, on_lost: Callable[[_AsyncClient], None], timeout: float) -> None:
+        self._on_lost = on_lost
+        self._timeout = timeout
+        self._transport: asyncio.Transport | None = None
+        self._buffer = b""
+        self._outgoing: list[bytes] = []
+        self._number = 0
+        self.pending: dict[int, tuple[asyncio.Future[Handover | None], asyncio.TimerHandle]] = {}
+
+    def connection_made(self, transport: Any) -> None:
+        self._transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def offer(self, message: NewMessage) -> asyncio.Future[Handover | None]:
+        loop = asyncio.get_running_loop()
+        verdict: asyncio.Future[Handover | None] = loop.create_future()
+        if self._transport is None or self._transport.is_closing():
+            verdict.set_result(None)
+            return verdict
+        self._number += 1
+        number = self._number
+        self.pending[number] = (verdict, loop.call_later(self._timeout, self._give_up))
+        if not self._outgoing:
+            loop.call_soon(self._flush)
+        self._outgoing.append(encode_request(number, message))
+        return verdict
+
+    def _flush(self) -> None:
+        if self._outgoing and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(self._outgoing))
+        self._outgoing.clear()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer + data if self._buffer else data
+        lines = buffer.split(b"\n")
+        self._buffer = lines.pop()
+        for line in lines:
+            fields = line.split()
+            try:
+                entry = self.pending.pop(int(fields[0]))
+                verdict = fields[1].decode("ascii")
+                handover = (
+                    Handover(STORED, int(fields[2])) if verdict == STORED else Handover(verdict)
+                )
+            except (ValueError, IndexError, KeyError):
+                log.warning("unifiedpush.channel_failed", extra={"error_type": "BadAnswer"})
+                self._give_up()
+                return
+            entry[1].cancel()
+            if not entry[0].done():
+                entry[0].set_result(handover)
+
+    def _give_up(self) -> None:
+        """An answer overdue or garbled: the gateway may be stuck. Every offer waiting here
+        is stored by its web process (the phone may get one twice, never none)."""
+        if self._transport is not None:
+            self._transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        pending, self.pending = self.pending, {}
+        for verdict, timer in pending.values():
+            timer.cancel()
+            if not verdict.done():
+                verdict.set_result(None)
+        self._on_lost(self)
+
+
+class AsyncChannels:
+    """The direct path for a web process that runs an event loop (pushsite/web_worker.py):
+    one connection per gateway for all its POSTs, instead of one per thread."""
+
+    def __init__(self, *, window: float) -> None:
+        self._timeout = window + ANSWER_SLACK_SECONDS
+        self._clients: dict[str, _AsyncClient] = {}
+        self._connecting: dict[str, asyncio.Future[_AsyncClient | None]] = {}
+
+    async def offer(self, address: str, message: NewMessage) -> Handover | None:
+        """The gateway's verdict, or None when the hop failed (the caller stores it)."""
+        client = self._clients.get(address)
+        if client is None:
+            client = await self._connect(address)
+            if client is None:
+                return None
+        return await client.offer(message)
+
+    async def _connect(self, address: str) -> _AsyncClient | None:
+        connecting = self._connecting.get(address)
+        if connecting is not None:
+            return await asyncio.shield(connecting)
+        loop = asyncio.get_running_loop()
+        connecting = self._connecting[address] = loop.create_future()
+        client: _AsyncClient | None = None
+        try:
+            host, _, port = address.rpartition(":")
+            _, connected = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: _AsyncClient(self._lost, self._timeout), host.strip("[]"), int(port)
+                ),
+                CONNECT_SECONDS,
+            )
+            client = self._clients[address] = connected
+        except (OSError, ValueError, TimeoutError) as error:
+            log.warning("unifiedpush.channel_failed", extra={"error_type": type(error).__name__})
+        finally:
+            del self._connecting[address]
+            connecting.set_result(client)
+        return client
+
+    def _lost(self, client: _AsyncClient) -> None:
+        for address, known in list(self._clients.items()):
+            if known is client:
+                del self._clients[address]

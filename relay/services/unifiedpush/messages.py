@@ -44,6 +44,10 @@ _TOPIC = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _URGENCY = {choice.label: choice.value for choice in UnifiedPushUrgency}
 
 
+class ColdCache(Exception):
+    """What a POST needs is not cached here: run it where a database read may wait."""
+
+
 class PushRefused(Exception):
     def __init__(self, status: int, reason: str, retry_after: int | None = None) -> None:
         super().__init__(reason)
@@ -82,11 +86,13 @@ class _PolicyCache:
         self._entries: dict[int, tuple[float, Policy | None]] = {}
         self._lock = threading.Lock()
 
-    def get(self, component_id: int) -> Policy | None:
+    def get(self, component_id: int, *, cached_only: bool = False) -> Policy | None:
         now = time.monotonic()
         entry = self._entries.get(component_id)
         if entry is not None and entry[0] > now:
             return entry[1]
+        if cached_only:
+            raise ColdCache
         policy = _read_policy(component_id)
         with self._lock:
             if len(self._entries) > 10_000:
@@ -191,14 +197,16 @@ def open_endpoint(token: str, *, now: float) -> tuple[tokens.Endpoint, Policy]:
     return endpoint, policy
 
 
-def _open_endpoint(token: str, *, now: float) -> tuple[tokens.Endpoint, Policy, _Opened]:
+def _open_endpoint(
+    token: str, *, now: float, cached_only: bool = False
+) -> tuple[tokens.Endpoint, Policy, _Opened]:
     try:
         opened = _open(token, now)
     except tokens.InvalidToken:
         raise PushRefused(NOT_FOUND, "no such endpoint") from None
     endpoint = opened.endpoint
     try:
-        policy = policies.get(endpoint.component_id)
+        policy = policies.get(endpoint.component_id, cached_only=cached_only)
     except DatabaseError:
         raise PushRefused(503, "storage unavailable", retry_after=5) from None
     if policy is None or not policy.serves:
@@ -326,7 +334,17 @@ def message_id_of(reference: str) -> int | None:
     return None
 
 
-def accept(
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A POST checked, admitted and sealed: what remains is to hand it over or store it."""
+
+    message: store.NewMessage
+    policy: Policy
+    ttl: int
+    urgency: int
+
+
+def prepare(
     *,
     token: str,
     body: bytes,
@@ -334,10 +352,12 @@ def accept(
     topic: str | None,
     urgency: str | None,
     now: float | None = None,
-) -> Accepted:
-    """Store one message for the endpoint `token` names (the caller read at most 4097 bytes)."""
+    cached_only: bool = False,
+) -> Prepared:
+    """Check a POST (the caller read at most 4097 bytes) and seal its message: PushRefused
+    for a refusal; with `cached_only`, ColdCache instead of reading the database."""
     now = time.time() if now is None else now
-    endpoint, policy, opened = _open_endpoint(token, now=now)
+    endpoint, policy, opened = _open_endpoint(token, now=now, cached_only=cached_only)
     if len(body) > MAX_BODY_BYTES:
         raise PushRefused(413, f"a push message is at most {MAX_BODY_BYTES} bytes")
     granted = parse_ttl(ttl)
@@ -346,7 +366,7 @@ def accept(
     if policy.suspended:
         raise PushRefused(503, "temporarily unavailable", retry_after=60)
     _admit(endpoint, policy)
-    return store_message(
+    return _prepared(
         endpoint,
         policy,
         body,
@@ -358,7 +378,21 @@ def accept(
     )
 
 
-def store_message(
+def accept(
+    *,
+    token: str,
+    body: bytes,
+    ttl: str | None,
+    topic: str | None,
+    urgency: str | None,
+    now: float | None = None,
+) -> Accepted:
+    """Deliver or store one message for the endpoint `token` names."""
+    prepared = prepare(token=token, body=body, ttl=ttl, topic=topic, urgency=urgency, now=now)
+    return settle(prepared, _hand_over(prepared))
+
+
+def _prepared(
     endpoint: tokens.Endpoint,
     policy: Policy,
     body: bytes,
@@ -368,9 +402,8 @@ def store_message(
     urgency: int,
     now: float,
     keys: tuple[str, str] | None = None,
-) -> Accepted:
-    """Deliver or store one message; `keys` are its endpoint's and recipient's keyed hashes
-    if known."""
+) -> Prepared:
+    """`keys` are the endpoint's and the recipient's keyed hashes, if known."""
     received = datetime.fromtimestamp(now, UTC)
     endpoint_hash, recipient_hash = keys or (endpoint_key(endpoint), recipient_key(endpoint))
     message = store.NewMessage(
@@ -387,13 +420,50 @@ def store_message(
         ttl=ttl,
         sealed=seal_message(endpoint, body),
     )
-    message_id = _deliver_or_store(message, policy)
-    location = policy.endpoint_url.rstrip("/") + MESSAGE_PATH + message_reference(message_id)
+    return Prepared(message, policy, ttl, urgency)
+
+
+def direct_address(prepared: Prepared) -> str:
+    """Where to offer the message on the direct path, or "" (then it is stored here)."""
+    if conf.current().unifiedpush_direct_seconds > 0:
+        return prepared.policy.channel
+    return ""
+
+
+def _hand_over(prepared: Prepared) -> channel.Handover | None:
+    address = direct_address(prepared)
+    if not address:
+        return None
+    window = conf.current().unifiedpush_direct_seconds
+    return channel.hand_over(address, prepared.message, window=window)
+
+
+def settle(prepared: Prepared, handover: channel.Handover | None) -> Accepted:
+    """The answer to a POST once the gateway gave its verdict on the direct path (None: no
+    verdict); a message the gateway did not take is stored here (this may wait for the
+    database: not in an event loop)."""
+    message_id = _verdict_id(handover)
+    if message_id is None:
+        message_id = _store(prepared)
+    return _accepted(prepared, message_id)
+
+
+def settled_at_once(prepared: Prepared, handover: channel.Handover | None) -> Accepted | None:
+    """`settle` when the verdict needs no database (delivered, stored by the gateway, or
+    refused); None when the message must still be stored here."""
+    message_id = _verdict_id(handover)
+    return None if message_id is None else _accepted(prepared, message_id)
+
+
+def _accepted(prepared: Prepared, message_id: int) -> Accepted:
+    location = (
+        prepared.policy.endpoint_url.rstrip("/") + MESSAGE_PATH + message_reference(message_id)
+    )
     return Accepted(
         message_id=message_id,
         location=location,
-        ttl=ttl,
-        urgency=UnifiedPushUrgency(urgency).label,
+        ttl=prepared.ttl,
+        urgency=UnifiedPushUrgency(prepared.urgency).label,
     )
 
 
@@ -403,22 +473,24 @@ def store_message(
 _DIRECT_IDS = 1 << 62
 
 
-def _deliver_or_store(message: store.NewMessage, policy: Policy) -> int:
-    """Offer the message to the gateway holding its link (the direct path, see `channel`);
-    store it here when that gateway declines or cannot be reached."""
-    window = conf.current().unifiedpush_direct_seconds
-    if policy.channel and window > 0:
-        handover = channel.hand_over(policy.channel, message, window=window)
-        if handover is not None:
-            if handover.verdict in (channel.DELIVERED, channel.EXPIRED):
-                return _DIRECT_IDS + secrets.randbelow(_DIRECT_IDS)
-            if handover.verdict == channel.STORED and handover.message_id is not None:
-                return handover.message_id
-            if handover.verdict == channel.REVOKED:
-                raise PushRefused(NOT_FOUND, "no such endpoint")
+def _verdict_id(handover: channel.Handover | None) -> int | None:
+    """The message's id by the gateway's verdict; None when it is still to be stored."""
+    if handover is None:
+        return None
+    if handover.verdict in (channel.DELIVERED, channel.EXPIRED):
+        return _DIRECT_IDS + secrets.randbelow(_DIRECT_IDS)
+    if handover.verdict == channel.STORED and handover.message_id is not None:
+        return handover.message_id
+    if handover.verdict == channel.REVOKED:
+        raise PushRefused(NOT_FOUND, "no such endpoint")
+    return None
+
+
+def _store(prepared: Prepared) -> int:
     try:
         message_id = store.store(
-            message, max_per_endpoint=conf.current().unifiedpush_max_stored_per_endpoint
+            prepared.message,
+            max_per_endpoint=conf.current().unifiedpush_max_stored_per_endpoint,
         )
     except DatabaseError:
         raise PushRefused(503, "storage unavailable", retry_after=5) from None
