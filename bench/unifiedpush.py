@@ -16,9 +16,14 @@ and answered that message, then the next. A relay is complete at the later of th
 phones are raw XMPP clients in this process (8 accounts, endpoints spread over them) that
 answer every push `result` at once. Both sides thus see the same offered load shape.
 
-Figures per side and concurrency (16, 64): relays per second, latency POST -> complete
-(p50/p95/p99), POST -> HTTP answer, POST -> phone; CPU per relay of every process (web,
-gateway, PostgreSQL, Prosody, this driver); the machine's busy fraction and load average.
+Then open-loop phases (--rates, default 1000 and 2000 POSTs per second, on up to 64
+connections): both sides offered the same rate, latency counted from when each POST was due,
+so the p99s compare at equal load (a closed loop compares them at each side's own saturation).
+
+Figures per side and concurrency (16, 64) or offered rate: relays per second, latency
+POST -> complete (p50/p95/p99), POST -> HTTP answer, POST -> phone; CPU per relay of every
+process (web, gateway, PostgreSQL, Prosody, this driver); the machine's busy fraction and
+load average.
 Our side's figures include the gateway's deletes and delivery records (a phase ends only when
 no message is stored and every accepted one has its delivery record). Prints and writes
 bench/results/unifiedpush.json.
@@ -369,6 +374,57 @@ class Driver:
             connection.close()
         return time.perf_counter() - started
 
+    async def run_open(
+        self, phase: Phase, endpoints: list[str], seconds: float, rate: float, record: bool
+    ) -> None:
+        """Open loop: a POST every 1/rate seconds, each on a connection that is free (up to
+        the phase's connections); latency counts from when the POST was due, so a POST that
+        waited for a free connection counts its wait (no coordinated omission)."""
+        connections: asyncio.Queue[Connection] = asyncio.Queue()
+        for url in endpoints[: phase.concurrency]:
+            connections.put_nowait(Connection(url))
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(connection: Connection, due: float) -> None:
+            seq = next(self.sequence)
+            waiter: asyncio.Future[float] = loop.create_future()
+            self.waiters[seq] = waiter
+            try:
+                status = await connection.post(self.body(seq))
+                answered = time.perf_counter()
+                if status != 201:
+                    self.waiters.pop(seq, None)
+                    phase.errors[str(status)] = phase.errors.get(str(status), 0) + 1
+                    return
+                self.accepted[phase.side] = self.accepted.get(phase.side, 0) + 1
+                try:
+                    at_phone = await asyncio.wait_for(waiter, 30)
+                except TimeoutError:
+                    phase.lost += 1
+                    return
+                if record:
+                    phase.totals.append(max(answered, at_phone) - due)
+                    phase.http.append(answered - due)
+                    phase.phone.append(at_phone - due)
+            finally:
+                connections.put_nowait(connection)
+
+        started = time.perf_counter()
+        count = int(seconds * rate)
+        for n in range(count):
+            due = started + n / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            connection = await connections.get()
+            task = asyncio.create_task(one(connection, due))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.gather(*tasks)
+        while not connections.empty():
+            connections.get_nowait().close()
+
 
 # --------------------------------------------------------------------------- main
 def main() -> None:
@@ -376,6 +432,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help="measured per phase")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument(
+        "--rates",
+        default="1000,2000",
+        help="open-loop phases: POSTs per second offered to each side (64 connections); "
+        "empty for none",
+    )
     parser.add_argument("--body-bytes", type=int, default=512)
     parser.add_argument("--phones", type=int, default=8)
     parser.add_argument("--web-workers", type=int, default=1)
@@ -394,6 +456,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     levels = [int(value) for value in args.concurrency.split(",")]
+    rates = [int(value) for value in args.rates.split(",") if value.strip()]
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
     database_url = prepare_database(admin_url, BENCH_DB)
@@ -471,6 +534,7 @@ def main() -> None:
             measure(
                 args,
                 levels,
+                rates,
                 prosody,
                 pids,
                 lambda: (
@@ -538,6 +602,7 @@ def postgres_cpu_by_client(database_url: str) -> dict[str, float]:
 async def measure(
     args: Any,
     levels: list[int],
+    rates: list[int],
     prosody: BenchProsody,
     pids: dict[str, int],
     stored: Any,
@@ -557,62 +622,81 @@ async def measure(
         for index in range(most):
             endpoints[side].append(await phones[index % len(phones)].register(side))
     phases: dict[str, Any] = {}
-    for concurrency in levels:
-        for side, name in ((OURS, "relay"), (PROSODY, "prosody_mod_unified_push")):
-            phase = Phase(name, concurrency)
-            await driver.run(phase, endpoints[side], args.warmup, record_from=float("inf"))
-            await drain(stored if side == OURS else None, driver.accepted.get(name, 0))
-            cpu_before = {key: cpu_of(key, pid) for key, pid in pids.items()}
-            pg_before = await asyncio.to_thread(postgres_split)
-            busy_before = machine_busy()
-            started = time.perf_counter()
-            await driver.run(phase, endpoints[side], args.seconds, record_from=started)
-            drained = await drain(stored if side == OURS else None, driver.accepted.get(name, 0))
-            elapsed = time.perf_counter() - started
-            busy_after = machine_busy()
-            cpu = {key: cpu_of(key, pid) - cpu_before[key] for key, pid in pids.items()}
-            pg_after = await asyncio.to_thread(postgres_split)
-            relays = len(phase.totals)
-            phases[f"{name}@{concurrency}"] = {
-                "side": name,
-                "connections": concurrency,
-                "relays": relays,
-                "relays_per_second": round(relays / elapsed, 1),
-                "latency_ms": percentiles(phase.totals),
-                "post_to_http_answer_ms": percentiles(phase.http),
-                "post_to_phone_ms": percentiles(phase.phone),
-                "errors": phase.errors,
-                "lost": phase.lost,
-                "drain_seconds_after_last_post": round(drained, 3),
-                "cpu_ms_per_relay": {
-                    key: round(seconds * 1000 / max(1, relays), 3) for key, seconds in cpu.items()
-                },
-                # Processes that ended during the phase (an autovacuum worker) are missing.
-                "postgresql_cpu_ms_per_relay_by_client": {
-                    key: round((value - pg_before.get(key, 0.0)) * 1000 / max(1, relays), 3)
-                    for key, value in sorted(pg_after.items())
-                    if value - pg_before.get(key, 0.0) > 0
-                },
-                "cpu_cores_busy": {
-                    key: round(seconds / elapsed, 2) for key, seconds in cpu.items()
-                },
-                "machine_busy_fraction": round(
-                    (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1]), 3
-                ),
-                "loadavg": Path("/proc/loadavg").read_text().split()[:3],
-            }
-            print(
-                f"{name}@{concurrency}: {phases[f'{name}@{concurrency}']['relays_per_second']}"
-                f"/s p99 {phases[f'{name}@{concurrency}']['latency_ms']['p99']} ms",
-                flush=True,
-            )
-    comparison = {}
-    for concurrency in levels:
-        ours, theirs = (
-            phases[f"relay@{concurrency}"],
-            phases[f"prosody_mod_unified_push@{concurrency}"],
+
+    async def measured(name: str, side: str, label: str, concurrency: int, run: Any) -> None:
+        """Warm up, then one measured phase: `run(phase, seconds, record)` drives it."""
+        phase = Phase(name, concurrency)
+        await run(phase, args.warmup, False)
+        await drain(stored if side == OURS else None, driver.accepted.get(name, 0))
+        cpu_before = {key: cpu_of(key, pid) for key, pid in pids.items()}
+        pg_before = await asyncio.to_thread(postgres_split)
+        busy_before = machine_busy()
+        started = time.perf_counter()
+        await run(phase, args.seconds, True)
+        drained = await drain(stored if side == OURS else None, driver.accepted.get(name, 0))
+        elapsed = time.perf_counter() - started
+        busy_after = machine_busy()
+        cpu = {key: cpu_of(key, pid) - cpu_before[key] for key, pid in pids.items()}
+        pg_after = await asyncio.to_thread(postgres_split)
+        relays = len(phase.totals)
+        phases[f"{name}@{label}"] = {
+            "side": name,
+            "connections": concurrency,
+            "relays": relays,
+            "relays_per_second": round(relays / elapsed, 1),
+            "latency_ms": percentiles(phase.totals),
+            "post_to_http_answer_ms": percentiles(phase.http),
+            "post_to_phone_ms": percentiles(phase.phone),
+            "errors": phase.errors,
+            "lost": phase.lost,
+            "drain_seconds_after_last_post": round(drained, 3),
+            "cpu_ms_per_relay": {
+                key: round(seconds * 1000 / max(1, relays), 3) for key, seconds in cpu.items()
+            },
+            # Processes that ended during the phase (an autovacuum worker) are missing.
+            "postgresql_cpu_ms_per_relay_by_client": {
+                key: round((value - pg_before.get(key, 0.0)) * 1000 / max(1, relays), 3)
+                for key, value in sorted(pg_after.items())
+                if value - pg_before.get(key, 0.0) > 0
+            },
+            "cpu_cores_busy": {key: round(seconds / elapsed, 2) for key, seconds in cpu.items()},
+            "machine_busy_fraction": round(
+                (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1]), 3
+            ),
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+        }
+        result = phases[f"{name}@{label}"]
+        print(
+            f"{name}@{label}: {result['relays_per_second']}/s p99 {result['latency_ms']['p99']} ms",
+            flush=True,
         )
-        comparison[str(concurrency)] = {
+
+    sides = ((OURS, "relay"), (PROSODY, "prosody_mod_unified_push"))
+    for concurrency in levels:
+        for side, name in sides:
+
+            async def closed(phase: Phase, seconds: float, record: bool, side: str = side) -> None:
+                await driver.run(
+                    phase,
+                    endpoints[side],
+                    seconds,
+                    record_from=time.perf_counter() if record else float("inf"),
+                )
+
+            await measured(name, side, str(concurrency), concurrency, closed)
+    for rate in rates:
+        for side, name in sides:
+
+            async def open_(
+                phase: Phase, seconds: float, record: bool, side: str = side, rate: int = rate
+            ) -> None:
+                await driver.run_open(phase, endpoints[side], seconds, rate, record)
+
+            await measured(name, side, f"{rate}/s", most, open_)
+    comparison: dict[str, Any] = {}
+    for label in [str(c) for c in levels] + [f"{r}/s" for r in rates]:
+        ours, theirs = phases[f"relay@{label}"], phases[f"prosody_mod_unified_push@{label}"]
+        comparison[label] = {
             "rate_ratio_ours_to_prosody": round(
                 ours["relays_per_second"] / max(0.1, theirs["relays_per_second"]), 3
             ),
@@ -659,9 +743,10 @@ def print_table(results: dict[str, Any]) -> None:
             print(
                 f"{'':34} postgresql by client: " + ", ".join(f"{k} {v}" for k, v in split.items())
             )
-    for concurrency, ratio in results["comparison"].items():
+    for label, ratio in results["comparison"].items():
+        where = f"offered {label}" if label.endswith("/s") else f"at {label} connections"
         print(
-            f"at {concurrency} connections: ours/prosody rate {ratio['rate_ratio_ours_to_prosody']}"
+            f"{where}: ours/prosody rate {ratio['rate_ratio_ours_to_prosody']}"
             f", p99 {ratio['p99_ratio_ours_to_prosody']}"
         )
 
