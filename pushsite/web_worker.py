@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import re
 import socket
@@ -144,6 +145,12 @@ class PushWorker(ThreadWorker):
         if not self.cfg.is_ssl:
             self.push_loop = PushLoop(self)
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        # The application and everything it loaded live as long as the worker: left out of
+        # the collector's full passes, which otherwise stall every thread now and then.
+        gc.freeze()
 
     def finish_request(self, conn: Any, fs: Any) -> None:
         if not fs.cancelled() and fs.exception() is None and fs.result() is _ADOPTED:

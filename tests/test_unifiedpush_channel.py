@@ -202,3 +202,35 @@ def test_the_lease_holder_announces_its_channel_to_the_web_processes():
     assert link_leases.channel_of(component.pk) == "127.0.0.1:5290"
     link_leases.leave(gateway="gw-1")
     assert link_leases.channel_of(component.pk) == ""
+
+
+@pytest.mark.django_db
+def test_an_event_loop_reads_a_stale_component_state_once_not_once_per_post():
+    from relay.services.unifiedpush import messages
+
+    tenant = Tenant.objects.create(name="t")
+    component = Component.objects.create(
+        tenant=tenant,
+        jid="up.example.org",
+        secret="s",
+        unifiedpush_endpoint_url="https://push.example.org",
+    )
+    cache = messages._PolicyCache()
+    with pytest.raises(messages.ColdCache):
+        cache.get(component.pk, cached_only=True)  # never read: the caller reads it in a thread
+    assert cache.get(component.pk).endpoint_url == "https://push.example.org"
+    assert cache.get(component.pk, cached_only=True).endpoint_url == "https://push.example.org"
+    Component.objects.filter(pk=component.pk).update(unifiedpush_endpoint_url="https://new.example")
+    expires, policy = cache._entries[component.pk]
+    cache._entries[component.pk] = (expires - messages.POLICY_SECONDS - 0.1, policy)  # stale
+    with pytest.raises(messages.ColdCache):
+        cache.get(component.pk, cached_only=True)  # the first one refreshes it
+    for _ in range(3):  # the others go on with the stale state meanwhile
+        assert cache.get(component.pk, cached_only=True).endpoint_url == "https://push.example.org"
+    assert cache.get(component.pk).endpoint_url == "https://new.example"  # the refresh
+    assert cache.get(component.pk, cached_only=True).endpoint_url == "https://new.example"
+    stale, policy = cache._entries[component.pk]
+    cache._entries[component.pk] = (stale - 2 * messages.POLICY_SECONDS - 0.1, policy)
+    for _ in range(2):  # too old to serve: every caller reads it
+        with pytest.raises(messages.ColdCache):
+            cache.get(component.pk, cached_only=True)

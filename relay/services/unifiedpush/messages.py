@@ -84,16 +84,30 @@ class Policy:
 class _PolicyCache:
     def __init__(self) -> None:
         self._entries: dict[int, tuple[float, Policy | None]] = {}
+        self._refreshing: set[int] = set()
         self._lock = threading.Lock()
 
     def get(self, component_id: int, *, cached_only: bool = False) -> Policy | None:
+        """The component's policy. `cached_only` (an event loop, which must not wait for the
+        database): ColdCache when it has to be read; once it is merely stale, only the first
+        such caller gets ColdCache and reads it in a thread, the others go on with the stale
+        entry meanwhile (up to one more lifetime), instead of all reading it at once."""
         now = time.monotonic()
         entry = self._entries.get(component_id)
         if entry is not None and entry[0] > now:
             return entry[1]
         if cached_only:
+            if entry is not None and entry[0] + POLICY_SECONDS > now:
+                with self._lock:
+                    if component_id in self._refreshing:
+                        return entry[1]
+                    self._refreshing.add(component_id)
             raise ColdCache
-        policy = _read_policy(component_id)
+        try:
+            policy = _read_policy(component_id)
+        finally:
+            with self._lock:
+                self._refreshing.discard(component_id)
         with self._lock:
             if len(self._entries) > 10_000:
                 self._entries.clear()
@@ -103,6 +117,7 @@ class _PolicyCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._refreshing.clear()
 
 
 def _read_policy(component_id: int) -> Policy | None:
