@@ -77,6 +77,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = kept
 
 
+
 _seconds: dict[str, float] = {}
 
 
