@@ -186,7 +186,7 @@ def test_an_offer_is_sent_and_answered_when_the_phone_took_it():
     before_index, verdict, relay = run(scenario())
     assert before_index == ("N", None)  # which phones have stored messages is not known yet
     assert verdict == ("D", None)
-    assert [r.outcome for r in relay._records] == ["delivered"]
+    assert [r.outcome for r in relay._records.items] == ["delivered"]
 
 
 def test_an_offer_never_overtakes_a_stored_message_or_reaches_a_revoked_endpoint():

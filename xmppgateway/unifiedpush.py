@@ -33,9 +33,10 @@ import logging
 import time
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 from xml.sax.saxutils import quoteattr
 
 from django.db import connection
@@ -84,6 +85,33 @@ class InFlight:
     message: StoredMessage
     jid: str
     sent: float
+
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Batch(Generic[T]):
+    """Items written together: FINISH_BATCH of them, or FINISH_WINDOW after the first."""
+
+    write: Callable[[list[T]], Any]
+    items: list[T] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+    def add(self, item: T) -> None:
+        self.items.append(item)
+        if len(self.items) >= FINISH_BATCH:
+            self.flush()
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(FINISH_WINDOW, self.flush)
+
+    def flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.items:
+            items, self.items = self.items, []
+            self.write(items)
 
 
 @dataclass(slots=True)
@@ -177,8 +205,7 @@ class UnifiedPushRelay:
     late: OrderedDict[str, InFlight] = field(default_factory=OrderedDict)
     known: set[int] = field(default_factory=set)
     recipients: dict[tuple[int, str], Recipient] = field(default_factory=dict)
-    _finishing: dict[str, list[int]] = field(default_factory=dict)
-    _finish_timer: asyncio.TimerHandle | None = None
+    _finishes: _Batch[tuple[str, int]] = field(init=False)
     _sweep_wanted: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _last_expiry: float = 0.0
@@ -193,8 +220,11 @@ class UnifiedPushRelay:
     _index_log: list[tuple[str, Any]] | None = None
     _last_index: float = 0.0
     _direct_count: int = 0
-    _records: list[DeliveryRecord] = field(default_factory=list)
-    _records_timer: asyncio.TimerHandle | None = None
+    _records: _Batch[DeliveryRecord] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._finishes = _Batch(self._write_finishes)
+        self._records = _Batch(lambda records: self._spawn(self._write_records(records)))
 
     # --- wiring (xmppgateway.gateway)
 
@@ -565,10 +595,10 @@ class UnifiedPushRelay:
         _settle(entry, channel.REVOKED)
 
     def _record_later(self, message: NewMessage, outcome: str, *, answered: bool = True) -> None:
-        if len(self._records) >= RECORDS_MAX:
+        if len(self._records.items) >= RECORDS_MAX:
             log.error("unifiedpush.records_dropped", extra={"outcome": outcome})
             return
-        self._records.append(
+        self._records.add(
             DeliveryRecord(
                 tenant_id=message.tenant_id,
                 component_id=message.component_id,
@@ -581,20 +611,6 @@ class UnifiedPushRelay:
                 attempts=1 if answered else 0,
             )
         )
-        if len(self._records) >= FINISH_BATCH:
-            self._flush_records()
-        elif self._records_timer is None:
-            self._records_timer = asyncio.get_running_loop().call_later(
-                FINISH_WINDOW, self._flush_records
-            )
-
-    def _flush_records(self) -> None:
-        if self._records_timer is not None:
-            self._records_timer.cancel()
-            self._records_timer = None
-        if self._records:
-            records, self._records = self._records, []
-            self._spawn(self._write_records(records))
 
     async def _write_records(self, records: list[DeliveryRecord]) -> None:
         try:
@@ -605,8 +621,8 @@ class UnifiedPushRelay:
                 log.error("unifiedpush.records_lost", extra={"records": len(records)})
                 return
             await asyncio.sleep(1.0)
-            self._records[:0] = records[: RECORDS_MAX - len(self._records)]
-            self._flush_records()
+            self._records.items[:0] = records[: RECORDS_MAX - len(self._records.items)]
+            self._records.flush()
 
     # --- what the direct path must respect: stored messages and revocations
 
@@ -710,23 +726,14 @@ class UnifiedPushRelay:
         )
 
     def _finish_later(self, message_id: int, outcome: str) -> None:
-        batch = self._finishing.setdefault(outcome, [])
-        batch.append(message_id)
-        if len(batch) >= FINISH_BATCH:
-            self._flush_finishes()
-        elif self._finish_timer is None:
-            self._finish_timer = asyncio.get_running_loop().call_later(
-                FINISH_WINDOW, self._flush_finishes
-            )
+        self._finishes.add((outcome, message_id))
 
-    def _flush_finishes(self) -> None:
-        if self._finish_timer is not None:
-            self._finish_timer.cancel()
-            self._finish_timer = None
-        batches, self._finishing = self._finishing, {}
-        for outcome, ids in batches.items():
-            if ids:
-                self._spawn(self._finish(outcome, ids))
+    def _write_finishes(self, finishes: list[tuple[str, int]]) -> None:
+        by_outcome: dict[str, list[int]] = {}
+        for outcome, message_id in finishes:
+            by_outcome.setdefault(outcome, []).append(message_id)
+        for outcome, ids in by_outcome.items():
+            self._spawn(self._finish(outcome, ids))
 
     async def _finish(self, outcome: str, ids: list[int]) -> None:
         try:
@@ -755,8 +762,8 @@ class UnifiedPushRelay:
         pending = [task for task in self._tasks if not task.done()]
         if pending:  # direct messages being stored, revocations
             await asyncio.wait(pending, timeout=5.0)
-        self._flush_finishes()
-        self._flush_records()
+        self._finishes.flush()
+        self._records.flush()
         pending = [task for task in self._tasks if not task.done()]
         if pending:
             await asyncio.wait(pending, timeout=5.0)
