@@ -152,6 +152,18 @@ class _Link:
             asyncio.get_running_loop().call_soon(self.flush)
         self.pending.append(data)
 
+    def push(self, iq_id: str, opened: messages.Opened) -> None:
+        self.send(
+            push_iq(
+                iq_id=iq_id,
+                component_jid=self.component_jid,
+                jid=opened.jid,
+                application=opened.application,
+                instance=opened.instance,
+                body=opened.body,
+            )
+        )
+
     def flush(self) -> None:
         if self.pending:
             data = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
@@ -394,16 +406,7 @@ class UnifiedPushRelay:
         iq_id = f"up{message.id}.{message.attempts}"
         self.in_flight[iq_id] = InFlight(message, opened.jid, time.monotonic())
         self.known.add(message.id)
-        link.send(
-            push_iq(
-                iq_id=iq_id,
-                component_jid=link.component_jid,
-                jid=opened.jid,
-                application=opened.application,
-                instance=opened.instance,
-                body=opened.body,
-            )
-        )
+        link.push(iq_id, opened)
 
     def on_notify(self, payload: str) -> None:
         """One notification per stored batch: a line per message, in the order stored."""
@@ -487,16 +490,7 @@ class UnifiedPushRelay:
             self.direct_window, self._direct_unanswered, iq_id
         )
         self.direct[iq_id] = entry
-        link.send(
-            push_iq(
-                iq_id=iq_id,
-                component_jid=link.component_jid,
-                jid=opened.jid,
-                application=opened.application,
-                instance=opened.instance,
-                body=opened.body,
-            )
-        )
+        link.push(iq_id, opened)
         return None
 
     def _direct_answered(self, iq_id: str, outcome: Fate) -> None:
