@@ -31,12 +31,8 @@ class _Connection(asyncio.Protocol):
         self.pending: set[asyncio.Future[Verdict]] = set()
 
     def connection_made(self, transport: Any) -> None:
-        self._transport = transport
+        self._transport = transport  # asyncio turns Nagle off on TCP transports itself
         self._connections.add(self)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         # Offers already sent still end stored or delivered: their futures run on.

@@ -120,7 +120,6 @@ class Direct:
 
     message: NewMessage
     jid: str
-    sent: float
     verdict: asyncio.Future[tuple[str, int | None]]
     timer: asyncio.TimerHandle | None = None
     storing: bool = False
@@ -485,7 +484,7 @@ class UnifiedPushRelay:
             return channel.NOT_HERE
         self._direct_count += 1
         iq_id = f"ud{self._direct_count}"
-        entry = Direct(message, opened.jid, time.monotonic(), verdict)
+        entry = Direct(message, opened.jid, verdict)
         entry.timer = verdict.get_loop().call_later(
             self.direct_window, self._direct_unanswered, iq_id
         )

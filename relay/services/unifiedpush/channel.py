@@ -200,11 +200,7 @@ class _AsyncClient(asyncio.Protocol):
         self.pending: dict[int, tuple[asyncio.Future[Handover | None], asyncio.TimerHandle]] = {}
 
     def connection_made(self, transport: Any) -> None:
-        self._transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._transport = transport  # asyncio turns Nagle off on TCP transports itself
 
     def offer(self, message: NewMessage) -> asyncio.Future[Handover | None]:
         loop = asyncio.get_running_loop()
