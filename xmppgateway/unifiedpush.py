@@ -383,12 +383,14 @@ class UnifiedPushRelay:
         if not flush:
             if message.component_id not in self.indexed:
                 return  # the sweep after the index sends it, behind what it must not overtake
-            if state is None and any(
+            if any(
                 0 < other < message.id and other not in self.known for other in self.stored_ids[key]
             ):
-                # Older messages of this phone wait (a restart forgot their backoff): all of
-                # them go now, oldest first.
-                self._flush_soon(message.component_id, [message.recipient_key])
+                # Older messages of this phone wait. In backoff, this one waits behind them (it
+                # may come due a moment before the probe); with no backoff known (a restart
+                # forgot it), all of them go now, oldest first.
+                if state is None:
+                    self._flush_soon(message.component_id, [message.recipient_key])
                 return
         now = datetime.now(UTC)
         if not delivery.sendable(message, now):
