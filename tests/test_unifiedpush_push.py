@@ -160,6 +160,10 @@ def test_the_ttl_is_capped_and_defaulted(client, up_component):
         assert post(client, endpoint, TTL="86400")["TTL"] == "600"
         assert post(client, endpoint)["TTL"] == "300"
         assert post(client, endpoint, TTL="0")["TTL"] == "0"
+        # RFC 8030's TTL is 1*DIGIT: any number of digits is a TTL, capped like the others.
+        assert post(client, endpoint, TTL="9" * 20)["TTL"] == "600"
+        assert post(client, endpoint, TTL="9" * 5000)["TTL"] == "600"
+        assert post(client, endpoint, TTL="0" * 30 + "42")["TTL"] == "42"
 
 
 def test_a_newer_message_with_the_same_topic_replaces_the_stored_one(client, up_component):
@@ -265,7 +269,9 @@ def test_a_revoked_endpoint_is_404_until_it_expires(client, up_component):
     )
     assert ended == 1 and not UnifiedPushMessage.objects.exists()
     assert post(client, endpoint).status_code == 404
+    assert client.get(path_of(endpoint)).status_code == 404  # discovery says it is gone too
     assert post(client, other).status_code == 201
+    assert client.get(path_of(other)).status_code == 200
     assert UnifiedPushDelivery.objects.get().outcome == "revoked"
     store.expire(now=row.endpoint_expires + timedelta(seconds=1), grace=timedelta(0))
     assert not UnifiedPushRevocation.objects.exists()

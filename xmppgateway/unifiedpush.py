@@ -33,7 +33,7 @@ import logging
 import time
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, Protocol, TypeVar
@@ -226,6 +226,9 @@ class UnifiedPushRelay:
     direct: dict[str, Direct] = field(default_factory=dict)
     stored_ids: dict[tuple[int, str], set[int]] = field(default_factory=dict)
     stored_key: dict[int, tuple[int, str]] = field(default_factory=dict)
+    # Phones whose messages we declined: the web process is storing them, and until we have
+    # seen them stored (their wake-up or a sweep) the phone stays on the stored path.
+    awaiting: dict[tuple[int, str], int] = field(default_factory=dict)
     revoked: set[str] = field(default_factory=set)
     indexed: set[int] = field(default_factory=set)
     _index_log: list[tuple[str, Any]] | None = None
@@ -371,6 +374,8 @@ class UnifiedPushRelay:
         """Send a stored message now if its phone and link allow it; otherwise it waits."""
         if message.id in self.known:
             return
+        if message.id not in self.stored_key:
+            self._seen_stored((message.component_id, message.recipient_key))
         self._mark(message.component_id, message.recipient_key, message.id)
         link = self.links.get(message.component_id)
         if link is None or len(self.in_flight) >= MAX_IN_FLIGHT:
@@ -379,13 +384,17 @@ class UnifiedPushRelay:
         state = self.recipients.get(key)
         held = state is not None and (state.probing or time.monotonic() < state.retry_at)
         if held and not flush:
+            if datetime.now(UTC) >= message.expires:
+                # Its TTL ran out while the phone was away (TTL 0: the phone is away now,
+                # RFC 8030 5.2): never delivered later, even if the phone is back in a moment.
+                self.known.add(message.id)
+                self._finish_later(message.id, UnifiedPushOutcome.EXPIRED)
             return
         if not flush:
             if message.component_id not in self.indexed:
                 return  # the sweep after the index sends it, behind what it must not overtake
-            if any(
-                0 < other < message.id and other not in self.known for other in self.stored_ids[key]
-            ):
+            older = self.stored_ids[key]
+            if any(other < message.id and other not in self.known for other in older):
                 # Older messages of this phone wait. In backoff, this one waits behind them (it
                 # may come due a moment before the probe); with no backoff known (a restart
                 # forgot it), all of them go now, oldest first.
@@ -393,7 +402,7 @@ class UnifiedPushRelay:
                     self._flush_soon(message.component_id, [message.recipient_key])
                 return
         now = datetime.now(UTC)
-        if not delivery.sendable(message, now):
+        if not delivery.sendable(message, now, backlog=flush):
             self.known.add(message.id)
             self._finish_later(message.id, UnifiedPushOutcome.EXPIRED)
             return
@@ -435,12 +444,21 @@ class UnifiedPushRelay:
             self._spawn(self._flush(component_id, recipient_keys))
 
     async def _flush(self, component_id: int, recipient_keys: list[str]) -> None:
+        """Send everything stored for a phone, oldest first; what was marked before the read
+        and is no longer stored ended elsewhere (replaced, withdrawn, expired): unmarked."""
+        marked = {
+            message_id
+            for key in recipient_keys
+            for message_id in self.stored_ids.get((component_id, key), ())
+        }
         try:
             stored = await self.run_blocking(
                 store.for_recipient, component_id=component_id, recipient_keys=recipient_keys
             )
         except Unavailable:
             return  # the sweep finds them later
+        for message_id in marked - {message.id for message in stored}:
+            self._unmark(message_id)
         for message in stored:
             self.consider(message, flush=True)
 
@@ -470,14 +488,20 @@ class UnifiedPushRelay:
         if message.endpoint_key in self.revoked:
             return channel.REVOKED
         key = (message.component_id, message.recipient_key)
+        state = self.recipients.get(key)
+        if message.ttl == 0 and state is not None and time.monotonic() < state.retry_at:
+            # The phone is away: RFC 8030 5.2, a zero TTL expires and is never delivered.
+            self._record_later(message, UnifiedPushOutcome.EXPIRED, answered=False)
+            return channel.EXPIRED
         if (
             self.stored_ids.get(key)
-            or key in self.recipients
+            or self.awaiting.get(key)
+            or state is not None
             or len(self.in_flight) + len(self.direct) >= MAX_IN_FLIGHT
         ):
             # What the web process stores now must not be overtaken either, even before its
-            # wake-up reaches us: the phone stays on the stored path until the next index.
-            self._mark(*key, 0)
+            # wake-up reaches us: the phone stays on the stored path until we saw it stored.
+            self._await_store(key)
             return channel.NOT_HERE
         try:
             opened = messages.open_message(message.sealed)
@@ -639,6 +663,31 @@ class UnifiedPushRelay:
         if self._index_log is not None:
             self._index_log.append(("unmark", message_id))
 
+    def _await_store(self, key: tuple[int, str]) -> None:
+        self.awaiting[key] = self.awaiting.get(key, 0) + 1
+        if self._index_log is not None:
+            self._index_log.append(("await", key))
+
+    def _seen_stored(self, key: tuple[int, str]) -> None:
+        """A message of this phone seen stored for the first time: one decline less."""
+        count = self.awaiting.get(key, 0)
+        if count > 1:
+            self.awaiting[key] = count - 1
+        elif count:
+            del self.awaiting[key]
+        if self._index_log is not None:
+            self._index_log.append(("seen", key))
+
+    def _settled(self, keys: Iterable[tuple[int, str]]) -> None:
+        """After messages of these phones ended: a phone whose remaining marks are none we
+        sent (a message replaced, withdrawn or expired meanwhile, which nobody tells us) is
+        read again, so it is back on the direct path as soon as its stored messages are out,
+        not at the next index."""
+        for key in keys:
+            ids = self.stored_ids.get(key)
+            if ids and key not in self.recipients and not ids & self.known:
+                self._flush_soon(key[0], [key[1]])
+
     def _note_revoked(self, endpoint_key: str) -> None:
         self.revoked.add(endpoint_key)
         if self._index_log is not None:
@@ -656,7 +705,7 @@ class UnifiedPushRelay:
             return
         finally:
             log_since, self._index_log = self._index_log, None
-        self.stored_ids, self.stored_key = {}, {}
+        self.stored_ids, self.stored_key, self.awaiting = {}, {}, {}
         for message_id, component_id, recipient_key in rows:
             self._mark(component_id, recipient_key, message_id)
         for action, value in log_since:  # what passed here while the index was read
@@ -665,6 +714,10 @@ class UnifiedPushRelay:
                 self._mark(component_id, recipient_key, message_id)
             elif action == "unmark":
                 self._unmark(value)
+            elif action == "await":
+                self._await_store(value)
+            elif action == "seen":
+                self._seen_stored(value)
         self.revoked = revoked | {key for action, key in log_since if action == "revoked"}
         self.indexed = set(component_ids) & set(self.links)
         self._last_index = time.monotonic()
@@ -683,11 +736,14 @@ class UnifiedPushRelay:
         delay = delivery.retry_delay(state.failures, base=self.retry_base, maximum=self.retry_max)
         if not answered:
             delay = self.retry_max
-        state.retry_at = time.monotonic() + delay
-        until = datetime.now(UTC) + timedelta(seconds=delay)
-        if until >= message.expires:
+        now = datetime.now(UTC)
+        if message.expires <= now:
             self._finish_later(message.id, UnifiedPushOutcome.EXPIRED)
             return
+        # Deliverable until its TTL passes: the phone's return (presence, registration, a
+        # late answer) brings it out meanwhile, and a retry never waits beyond its expiry.
+        until = min(now + timedelta(seconds=delay), message.expires)
+        state.retry_at = time.monotonic() + (until - now).total_seconds()
         self.known.discard(message.id)
         self._spawn(self._postpone(message, until))
 
@@ -715,6 +771,8 @@ class UnifiedPushRelay:
             return
         self._note_revoked(message.endpoint_key)
         self.known.discard(message.id)
+        self._unmark(message.id)
+        self._settled([(message.component_id, message.recipient_key)])
         log.info(
             "unifiedpush.revoked",
             extra={"component_id": message.component_id, "messages_ended": ended},
@@ -747,11 +805,13 @@ class UnifiedPushRelay:
             for message_id in ids:
                 self._finish_later(message_id, outcome)
             return
+        keys = {self.stored_key[i] for i in ids if i in self.stored_key}
         for message_id in ids:
             self._unmark(message_id)
         asyncio.get_running_loop().call_later(
             FORGET_FINISHED_SECONDS, self.known.difference_update, ids
         )
+        self._settled(keys)
 
     async def _drain_finishes(self) -> None:
         pending = [task for task in self._tasks if not task.done()]

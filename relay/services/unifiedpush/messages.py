@@ -230,14 +230,17 @@ def _open_endpoint(
 
 
 def parse_ttl(value: str | None) -> int:
-    """RFC 8030 TTL (1*DIGIT), capped; no TTL gets the default."""
+    """RFC 8030 TTL (1*DIGIT, any length), capped; no TTL gets the default."""
     maximum = conf.current().unifiedpush_max_ttl_seconds
     if value is None or value.strip() == "":
         return min(maximum, conf.current().unifiedpush_default_ttl_seconds)
     value = value.strip()
-    if not value.isascii() or not value.isdigit() or len(value) > 12:
+    if not value.isascii() or not value.isdigit():
         raise PushRefused(400, "TTL must be a number of seconds")
-    return min(maximum, int(value))
+    digits = value.lstrip("0") or "0"
+    if len(digits) > len(str(maximum)):  # longer than the cap: no need to read it as a number
+        return maximum
+    return min(maximum, int(digits))
 
 
 def parse_topic(value: str | None) -> str:
@@ -515,8 +518,16 @@ def _store(prepared: Prepared) -> int:
 
 
 def discover(*, token: str, now: float | None = None) -> None:
-    """GET on an endpoint: 404 unless it is a live endpoint."""
-    open_endpoint(token, now=time.time() if now is None else now)
+    """GET on an endpoint: 404 unless it is a live endpoint, as a POST would answer (a
+    revoked endpoint too, which only the database knows)."""
+    now = time.time() if now is None else now
+    _, _, opened = _open_endpoint(token, now=now)
+    try:
+        revoked = store.is_revoked(opened.endpoint_key, now=datetime.fromtimestamp(now, UTC))
+    except DatabaseError:
+        raise PushRefused(503, "storage unavailable", retry_after=5) from None
+    if revoked:
+        raise PushRefused(NOT_FOUND, "no such endpoint")
 
 
 def withdraw(*, reference: str, now: float | None = None) -> None:

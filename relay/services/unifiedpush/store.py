@@ -598,6 +598,12 @@ def stored_index(component_ids: Sequence[int]) -> list[tuple[int, int, str]]:
     )
 
 
+def is_revoked(endpoint_key: str, *, now: datetime) -> bool:
+    return UnifiedPushRevocation.objects.filter(
+        endpoint_key=endpoint_key, expires__gte=now
+    ).exists()
+
+
 def revoked_keys(*, now: datetime) -> set[str]:
     """Endpoint keys revoked and not yet expired."""
     return set(
