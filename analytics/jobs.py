@@ -7,12 +7,13 @@ One run, for the days --since..--until (UTC):
 
 1. asks the replica for each day's fingerprint (rows, id range and a checksum per source,
    one aggregate statement) and compares it with the fingerprints stored with the outputs:
-   a day already reported and unchanged is not read again;
+   a day already reported and unchanged is not read again, and a day the retention pruned
+   (all or part of its records) is never recomputed: its stored report stays as it is;
 2. reads the changed days' rows over JDBC, a partition per day (big days cut into id
    ranges), filters and column choice pushed down to PostgreSQL;
 3. computes usage, latency, registrations, publishing domains and error codes, and replaces
    those days in the Parquet outputs (so a re-run is idempotent);
-4. recomputes the anomalies of the range from the Parquet history (7 days back);
+4. recomputes the anomalies of those days from the Parquet history (7 days back);
 5. loads the daily aggregates into the primary (one transaction, the days replaced);
 6. writes the HTML report and the monthly CSV exports, then the new fingerprints.
 """
@@ -54,6 +55,7 @@ Progress = Callable[[str], None]
 class RunSummary:
     days: list[date]
     changed: list[date]
+    kept: list[date] = field(default_factory=list)  # pruned: the stored report stays
     rows_read: int = 0
     partitions: int = 0
     seconds: float = 0.0
@@ -129,19 +131,28 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
     say(f"days {config.since}..{config.until} from {config.source.describe()}")
     tenants, apps = sources.names(spark, config.source)
     stats = sources.day_stats(spark, config.source, config.since, config.until)
+    pruned_through = sources.pruned_through(spark, config.source)
     current = {day: fingerprint(stats.get(day, {})) for day in days}
     stored = store.read_fingerprints(spark, config.output)
-    changed = [day for day in days if config.force or stored.get(day) != current[day]]
-    summary = RunSummary(days=days, changed=changed)
+    # What is left of a pruned day's records would replace its report (bills are made from
+    # it) with a smaller one: such a day keeps its report, --force or not.
+    kept = [day for day in days if pruned_through is not None and day <= pruned_through]
+    open_days = [day for day in days if day not in kept]
+    changed = [day for day in open_days if config.force or stored.get(day) != current[day]]
+    summary = RunSummary(days=days, changed=changed, kept=kept)
+    unchanged = len(open_days) - len(changed)
     say(
         f"{len(days)} day(s), {len(changed)} to compute"
         + (f": {', '.join(str(d) for d in changed)}" if 0 < len(changed) <= 10 else "")
-        + (
-            f"; {len(days) - len(changed)} unchanged, not read again"
-            if len(changed) < len(days)
-            else ""
-        )
+        + (f"; {unchanged} unchanged, not read again" if unchanged else "")
     )
+    if kept:
+        unreported = [day for day in kept if day not in stored]
+        say(
+            f"{len(kept)} day(s) through {pruned_through} kept as reported: the retention "
+            "pruned their records, so they are never recomputed"
+            + (f" ({len(unreported)} never reported: left without a report)" if unreported else "")
+        )
     if not changed:
         summary.seconds = time.monotonic() - started
         say("nothing changed")
@@ -150,7 +161,7 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
     tenant_names, app_names = _names_frames(spark, tenants, apps)
     _compute_days(spark, config, changed, stats, summary, say, tenant_names, app_names)
     say("anomalies against the previous 7 days")
-    anomaly_rows = _anomalies(spark, config, set(stored) | set(changed), tenants, apps)
+    anomaly_rows = _anomalies(spark, config, open_days, set(stored) | set(changed), tenants, apps)
 
     outputs = _collect_outputs(spark, config, changed)
     if config.primary is not None:
@@ -162,11 +173,11 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
                 ("relay_reportregistrations", changed, outputs["registrations"]),
                 ("relay_reportdomain", changed, outputs["top_domains"]),
                 ("relay_reporterrorcode", changed, outputs["error_codes"]),
-                ("relay_reportanomaly", days, anomaly_rows),
+                ("relay_reportanomaly", open_days, anomaly_rows),
             ],
         )
     say("HTML report and monthly exports")
-    summary.files = _write_files(spark, config, anomaly_rows)
+    summary.files = _write_files(spark, config)
     store.write_fingerprints(spark, config.output, {**stored, **{d: current[d] for d in changed}})
     summary.seconds = time.monotonic() - started
     rate = summary.rows_read / summary.seconds if summary.seconds else 0.0
@@ -241,11 +252,12 @@ def _compute_days(
 def _anomalies(
     spark: SparkSession,
     config: JobConfig,
+    days: list[date],
     reported: set[date],
     tenants: dict[int, str],
     apps: dict[int, str],
 ) -> list[dict[str, Any]]:
-    """The range's anomalies from the Parquet history (7 days back), replaced in Parquet."""
+    """The anomalies of `days` from the Parquet history (7 days back), replaced in Parquet."""
     first = config.since - timedelta(days=7)
     usage_history = store.read_days(
         spark, config.output, "usage", first, config.until, reports.USAGE_SCHEMA
@@ -261,7 +273,7 @@ def _anomalies(
     )
     # Only days whose seven previous days are all reported have a baseline to compare with.
     comparable = [
-        day for day in config.days if all(day - timedelta(days=k) in reported for k in range(1, 8))
+        day for day in days if all(day - timedelta(days=k) in reported for k in range(1, 8))
     ]
     anomaly_rows = reports.anomalies(
         reports.baselines(usage_history, domain_history, comparable), config.thresholds
@@ -274,11 +286,8 @@ def _anomalies(
         spark,
         config.output,
         "anomalies",
-        spark.createDataFrame(
-            anomaly_rows,
-            reports.ANOMALY_SCHEMA + ", tenant_name string, app_name string, detail string",
-        ),
-        config.days,
+        spark.createDataFrame(anomaly_rows, NAMED_ANOMALIES),
+        days,
     )
     return anomaly_rows
 
@@ -314,6 +323,7 @@ def _collect_outputs(
 
 NAMED_USAGE = reports.USAGE_SCHEMA + ", tenant_name string, app_name string"
 NAMED_REGISTRATIONS = reports.REGISTRATION_SCHEMA + ", tenant_name string, app_name string"
+NAMED_ANOMALIES = reports.ANOMALY_SCHEMA + ", tenant_name string, app_name string, detail string"
 DOMAIN_SCHEMA = (
     "day date, tenant_id long, publishing_domain string, publishes_received long, "
     "pushes_sent long, failed long, failure_rate double, tenant_name string"
@@ -324,9 +334,7 @@ ERROR_SCHEMA = (
 )
 
 
-def _write_files(
-    spark: SparkSession, config: JobConfig, anomaly_rows: list[dict[str, Any]]
-) -> list[str]:
+def _write_files(spark: SparkSession, config: JobConfig) -> list[str]:
     """The HTML report of the range and the CSV exports of every month it touches."""
     config.export_dir.mkdir(parents=True, exist_ok=True)
     months = exports.months_of(config.days)
@@ -350,7 +358,12 @@ def _write_files(
         error_rows=_rows(
             _read(spark, config, "error_codes", config.since, config.until, ERROR_SCHEMA)
         ),
-        anomaly_rows=anomaly_rows,
+        # The whole range's, kept days' included (they are not recomputed).
+        anomaly_rows=_rows(
+            _read(spark, config, "anomalies", config.since, config.until, NAMED_ANOMALIES).orderBy(
+                "day", "scope", "tenant_name", "app_name", "publishing_domain", "metric"
+            )
+        ),
     )
     report = config.export_dir / f"report-{config.since}-{config.until}.html"
     report.write_text(page, encoding="utf-8")
