@@ -38,15 +38,20 @@ if __package__ in (None, ""):
     sys.path[:] = [p for p in sys.path if not p or str(Path(p).resolve()) != _here]
     sys.path.insert(0, str(Path(_here).parent))
 
+from py4j.protocol import Py4JJavaError
 from pyspark import StorageLevel
+from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 
 from analytics import exports, report_page, reports, sources, store, writer
-from analytics.config import ConfigError, JobConfig, from_args
+from analytics.config import ConfigError, Database, JobConfig, from_args
 
 # Part of every fingerprint: a change to how reports are computed invalidates stored days.
 JOB_VERSION = "1"
+
+# Seconds to wait for each database before Spark starts (libpq's minimum is 2).
+CONNECT_CHECK_TIMEOUT = 5
 
 Progress = Callable[[str], None]
 
@@ -376,17 +381,66 @@ def _write_files(spark: SparkSession, config: JobConfig) -> list[str]:
     return files
 
 
+def connection_failure(error: BaseException) -> str | None:
+    """Why Spark's JDBC connection failed, when that is what `error` is; else None.
+
+    At analysis (the first read of a table) Spark says FAILED_JDBC.CONNECTION; inside a
+    task, the driver's PSQLException arrives in the Java causes, with an SQL state of class
+    08 (connection exception) when connecting failed or the connection was lost."""
+    if isinstance(error, PySparkException):
+        condition = error.getCondition() or ""
+        return "JDBC connection failed" if condition.startswith("FAILED_JDBC.CONNECTION") else None
+    if isinstance(error, Py4JJavaError):
+        cause = error.java_exception
+        for _ in range(20):  # a cause chain is short; never follow a cycle
+            if cause is None:
+                break
+            if cause.getClass().getName() == "org.postgresql.util.PSQLException":
+                if not str(cause.getSQLState() or "").startswith("08"):
+                    return None
+                return str(cause.getMessage()).split(". ")[0]
+            cause = cause.getCause()
+    return None
+
+
+def run_reporting_unreachable(
+    spark: SparkSession, config: JobConfig, progress: Progress = print
+) -> RunSummary:
+    """`run`, with a JDBC connection failing inside Spark raised as the one-line Unreachable
+    (Spark reads the replica only; the primary is loaded over libpq, which says so itself)."""
+    try:
+        return run(spark, config, progress)
+    except (PySparkException, Py4JJavaError) as error:
+        reason = connection_failure(error)
+        if reason is None:
+            raise
+        raise config.source.unreachable(reason) from None
+
+
+def databases(config: JobConfig) -> list[Database]:
+    """The databases a run connects to: the replica, and the primary unless it is the same."""
+    if config.primary is None or config.primary == config.source:
+        return [config.source]
+    return [config.source, config.primary]
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = from_args(argv)
-    except ConfigError as error:
-        print(f"analytics.jobs: {error}", file=sys.stderr)
+        # Before Spark (seconds to start, and its own longer timeouts): a database that
+        # cannot be reached is said in one line, at once.
+        for db in databases(config):
+            db.connect(timeout=CONNECT_CHECK_TIMEOUT).close()
+        spark = session(config)
+        try:
+            summary = run_reporting_unreachable(
+                spark, config, progress=lambda line: print(line, flush=True)
+            )
+        finally:
+            spark.stop()
+    except ConfigError as error:  # a setting, or a database it cannot reach: one line
+        print(f"analytics.jobs: {error}", file=sys.stderr, flush=True)
         return 2
-    spark = session(config)
-    try:
-        summary = run(spark, config, progress=lambda line: print(line, flush=True))
-    finally:
-        spark.stop()
     for path in summary.files:
         print(f"wrote {path}", flush=True)
     return 0

@@ -15,11 +15,12 @@ import sys
 from dataclasses import replace
 from datetime import date, timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from analytics import jobs, reports
-from analytics.config import Database, JobConfig, Thresholds
+from analytics.config import Database, JobConfig, Thresholds, Unreachable
 from tests.analytics_data import (
     D1,
     D2,
@@ -32,6 +33,8 @@ from tests.analytics_data import (
     load_known_days,
     not_delivered,
 )
+from tests.support.ports import free_port
+from tests.support.proxy import TcpProxy
 from tests.support.spark_cluster import SPARK_HOME, SparkStandalone, spark_env
 
 DAYS = [D1, D2, D3]
@@ -611,3 +614,73 @@ def test_run_reports_command_shows_progress_and_refuses_a_bad_database(database,
     )
     assert refused.returncode != 0
     assert "ANALYTICS_DATABASE_URL must be a PostgreSQL URL" in refused.stderr
+
+
+# --- a database the job cannot reach ------------------------------------------------------------
+
+
+def moved(url: str, port: int, password: str = "") -> str:
+    """`url` with another port on the loopback (and a password, if given)."""
+    parts = urlsplit(url)
+    user = f"{parts.username}:{password}" if password else parts.username
+    return parts._replace(netloc=f"{user}@127.0.0.1:{port}").geturl()
+
+
+def test_run_reports_says_in_one_line_that_the_replica_cannot_be_reached(database, tmp_path):
+    port = free_port()  # nothing listens there
+    env = {
+        **job_env(database, tmp_path),
+        "ANALYTICS_DATABASE_URL": moved(database.replica_url, port, "PASSWORD-PRIVATE"),
+    }
+    command = [sys.executable, "manage.py", "run_reports", "--since", str(D1), "--until", str(D1)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    # One line says it (beside the relay's JSON log lines): where, never the password.
+    [line] = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert line.startswith("CommandError: the reports cannot run: cannot reach")
+    assert f"ANALYTICS_DATABASE_URL (127.0.0.1:{port}, database relay)" in line
+    assert "refused" in line.lower()
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output and "PASSWORD-PRIVATE" not in output
+    assert "relay-reports" not in output and not (tmp_path / "parquet").exists()  # no Spark
+
+
+def test_a_connection_failing_inside_spark_is_said_in_one_line(spark, database, tmp_path):
+    """Past the check before Spark starts: at Spark's first read of the replica, and inside
+    its tasks (the replica goes away once the reads are planned)."""
+    port = free_port()
+    unreachable = replace(
+        make_config(database, tmp_path / "closed", D1, D1),
+        source=Database.from_url(
+            moved(database.replica_url, port, "PASSWORD-PRIVATE"),
+            setting="ANALYTICS_DATABASE_URL",
+        ),
+    )
+    with pytest.raises(Unreachable) as at_first_read:
+        jobs.run_reporting_unreachable(spark, unreachable, progress=lambda _: None)
+    message = str(at_first_read.value)
+    assert "\n" not in message and "PASSWORD-PRIVATE" not in message
+    assert message.startswith(f"cannot reach ANALYTICS_DATABASE_URL (127.0.0.1:{port}, ")
+
+    replica = urlsplit(database.replica_url)
+    proxy = TcpProxy("127.0.0.1", replica.port or 5432)
+    try:
+        config = replace(
+            make_config(database, tmp_path / "lost", D1, D1),
+            source=Database.from_url(
+                moved(database.replica_url, proxy.port), setting="ANALYTICS_DATABASE_URL"
+            ),
+        )
+
+        def progress(line: str) -> None:
+            if "JDBC partition(s)" in line:  # planned, not yet read
+                proxy.close()
+
+        with pytest.raises(Unreachable) as in_a_task:
+            jobs.run_reporting_unreachable(spark, config, progress=progress)
+    finally:
+        proxy.close()
+    message = str(in_a_task.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot reach ANALYTICS_DATABASE_URL (127.0.0.1:{proxy.port}, ")
+    assert "refused" in message
