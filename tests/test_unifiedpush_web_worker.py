@@ -195,3 +195,54 @@ def test_the_web_process_answers_posts_itself_and_hands_the_rest_back():
         assert re.search(r'"POST /push/… HTTP/1.1" 201', log), log[-2000:]
     finally:
         web.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_component_saved_before_urls_were_checked_gets_answers_on_every_path():
+    """Its stored URL has a non-ASCII host: every POST is still answered at once (201 with
+    the ASCII Location), on a new connection (a pool thread), a kept-alive one (the event
+    loop), HTTP/1.0 and a pipelined request (gunicorn and the WSGI fast path). Before, the
+    answer failed after the message was handled: closed, or, kept alive, never answered."""
+    messages.reset_limits()
+    web, url = start_web(RELAY_UNIFIEDPUSH_ENDPOINT_RATE="0/0", RELAY_UNIFIEDPUSH_TENANT_RATE="0/0")
+    try:
+        tenant = Tenant.objects.create(name="old-row")
+        component = Component.objects.create(
+            tenant=tenant, jid="up.old.example", secret="x", unifiedpush_endpoint_url=url
+        )
+        token = registration.register(
+            component_id=component.pk,
+            jid="someone@old.example/phone",
+            domain="old.example",
+            has_resource=True,
+            application=base64.b64encode(os.urandom(32)).decode(),
+            instance=base64.b64encode(os.urandom(32)).decode(),
+            now=time.time(),
+        ).endpoint.rsplit("/", 1)[1]
+        Component.objects.filter(pk=component.pk).update(
+            unifiedpush_endpoint_url="http://пример.example"
+        )
+        location = b"\r\nLocation: http://xn--e1afmkfd.example/push/message/"
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            # A refusal keeps the connection: the event loop serves it from here on.
+            [(status, _, _)] = _exchange(sock, _post(token, b"x", "TTL: soon"), 1)
+            assert status == 400
+            for body in (b"first", b"second"):
+                [(status, answer_head, _)] = _exchange(sock, _post(token, body), 1)
+                assert status == 201 and location in answer_head
+            # Pipelined behind a refusal: read ahead, so gunicorn and the WSGI path answer it.
+            answers = _exchange(sock, _post(token, b"x", "TTL: soon") + _post(token, b"3rd"), 2)
+            assert [answer[0] for answer in answers] == [400, 201]
+            assert location in answers[1][1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            [(status, answer_head, _)] = _exchange(sock, _post(token, b"fourth"), 1)
+            assert status == 201 and location in answer_head
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            request = _post(token, b"fifth").replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+            [(status, answer_head, _)] = _exchange(sock, request, 1)
+            assert status == 201 and location in answer_head
+        assert UnifiedPushMessage.objects.count() == 5
+        assert "Traceback" not in web.log_text(), web.log_text()[-3000:]
+    finally:
+        web.stop()
