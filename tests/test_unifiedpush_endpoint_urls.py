@@ -8,9 +8,6 @@ before are served with an ASCII Location (the real web process: test_unifiedpush
 
 from __future__ import annotations
 
-import base64
-import os
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from django.urls import reverse
 from relay import endpoint_urls, unifiedpush_http
 from relay.models import Component, Tenant, UnifiedPushMessage
 from relay.services.provisioning import load_tenants
-from relay.services.unifiedpush import messages, registration
+from relay.services.unifiedpush import messages
 from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,
@@ -29,6 +26,7 @@ from tests.support.admin import (
     make_operator,
     make_tenant_staff,
 )
+from tests.support.endpoints import new_endpoint
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -146,17 +144,9 @@ def test_rows_saved_before_the_check_get_ascii_endpoints_and_locations(client, o
         tenant=tenant, jid="up.old.example", secret="x", unifiedpush_endpoint_url=IDNA
     )
     Component.objects.filter(pk=component.pk).update(unifiedpush_endpoint_url=old)
-    registered = registration.register(
-        component_id=component.pk,
-        jid="someone@old.example/phone",
-        domain="old.example",
-        has_resource=True,
-        application=base64.b64encode(os.urandom(32)).decode(),
-        instance=base64.b64encode(os.urandom(32)).decode(),
-        now=time.time(),
-    )
-    assert registered.endpoint.startswith(base + "/push/v4.local.")
-    token = registered.endpoint.rsplit("/", 1)[1]
+    endpoint = new_endpoint(component)
+    assert endpoint.startswith(base + "/push/v4.local.")
+    token = endpoint.rsplit("/", 1)[1]
     # The Django view (the WSGI fast path and the worker: test_unifiedpush_web_worker.py).
     response = client.post(f"/push/{token}", data=b"hi", content_type="application/octet-stream")
     assert response.status_code == 201

@@ -10,13 +10,10 @@ and their whole output is searched; `relay.logging.mask_secrets` alone for the s
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import os
 import re
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,8 @@ from gunicorn.config import Config
 import relay.logging as relay_logging
 from pushsite.gunicorn_logging import Logger as GunicornLogger
 from relay.models import Component, Tenant
-from relay.services.unifiedpush import messages, registration
+from relay.services.unifiedpush import messages
+from tests.support.endpoints import new_endpoint
 from tests.support.processes import ServiceProcess, start_dev_server, start_web, wait_until
 
 TOKEN = "v4.local.4ojRFvuaHlxoJOk-W3ndu-zjmvz4zANiImFOTlaxBoZIJY2K.dmxVbjBkOGg"
@@ -192,19 +190,6 @@ def _status(head: str) -> int:
     return int(head[9:12]) if head.startswith("HTTP/1.") else 0
 
 
-def _register(component: Component) -> str:
-    registered = registration.register(
-        component_id=component.pk,
-        jid="someone@logs.example/phone",
-        domain="logs.example",
-        has_resource=True,
-        application=base64.b64encode(os.urandom(32)).decode(),
-        instance=base64.b64encode(os.urandom(32)).decode(),
-        now=time.time(),
-    )
-    return registered.endpoint.rsplit("/", 1)[1]
-
-
 def _json_events(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
@@ -217,12 +202,12 @@ def _exercise(web: ServiceProcess, url: str) -> tuple[list[str], dict[str, int]]
     component = Component.objects.create(
         tenant=tenant, jid="up.logs.example", secret="x", unifiedpush_endpoint_url=url
     )
-    token = _register(component)
+    token = new_endpoint(component).rsplit("/", 1)[1]
     # A component saved before endpoint URLs were checked: its answers once crashed (500).
     old = Component.objects.create(
         tenant=tenant, jid="up-old.logs.example", secret="x", unifiedpush_endpoint_url=url
     )
-    old_token = _register(old)
+    old_token = new_endpoint(old).rsplit("/", 1)[1]
     Component.objects.filter(pk=old.pk).update(unifiedpush_endpoint_url="http://пример.example")
     created = _request(port, "POST", f"/push/{token}")
     assert _status(created) == 201, created
