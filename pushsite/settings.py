@@ -592,9 +592,19 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "relay.logging.JsonFormatter"}},
+    "filters": {"mask_secrets": {"()": "relay.logging.MaskSecrets"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
+        # Django's own handlers (a plain console when DEBUG, mail to ADMINS, runserver's
+        # request lines) are replaced by ours: every line is JSON, and none names a token.
+        # INFO as Django sets it: below, SQL with its parameters (secrets) would be logged.
+        "django": {"handlers": [], "level": "INFO"},
+        # Request lines and "Not Found: <path>", "Method Not Allowed: <path>", "Internal
+        # Server Error: <path>": UnifiedPush tokens and message references masked
+        # (relay.logging.mask_secrets) before any handler sees them.
+        "django.request": {"filters": ["mask_secrets"]},
+        "django.server": {"filters": ["mask_secrets"], "level": "INFO", "propagate": True},
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
         "celery": {"level": LOG_LEVEL},

@@ -245,7 +245,7 @@ class PushWorker(ThreadWorker):
             )
         )
         keep = self._keep(request)
-        payload, headers = self._render(status, headers, content, keep)
+        status, payload, headers = self._render(status, headers, content, keep)
         try:
             sent = conn.sock.send(payload)
         except BlockingIOError:
@@ -263,11 +263,12 @@ class PushWorker(ThreadWorker):
     def _guarded(self, answer: Any) -> tuple[int, list[tuple[str, str]], bytes]:
         from django.db import close_old_connections
 
+        from relay import unifiedpush_http
+
         try:
             status, headers, content = answer()
-        except Exception as error:  # what Django would turn into a 500, logged without details
-            log.exception("unifiedpush.post_crashed", extra={"error_type": type(error).__name__})
-            status, headers, content = 500, [("Content-Type", "application/json")], b"{}"
+        except Exception as error:  # what Django would turn into a 500
+            status, headers, content = unifiedpush_http.crashed(error)
         if status >= 500:
             close_old_connections()  # a dropped database connection is reopened next time
         return status, headers, content
@@ -286,9 +287,11 @@ class PushWorker(ThreadWorker):
 
     def _render(
         self, status: int, headers: list[tuple[str, str]], content: bytes, keep: bool
-    ) -> tuple[bytes, list[tuple[str, str]]]:
+    ) -> tuple[int, bytes, list[tuple[str, str]]]:
+        """(status, bytes, headers) of the answer; a 500 if a header cannot be sent."""
         from relay import unifiedpush_http
 
+        status, headers, content = unifiedpush_http.sendable((status, headers, content))
         headers = [
             *headers,
             *unifiedpush_http.SECURITY_HEADERS,
@@ -302,7 +305,7 @@ class PushWorker(ThreadWorker):
         ]
         if not keep:
             head.append(b"Connection: close")
-        return b"\r\n".join(head) + b"\r\n\r\n" + content, headers
+        return status, b"\r\n".join(head) + b"\r\n\r\n" + content, headers
 
     def _record(
         self,
@@ -484,19 +487,25 @@ class _Adopted:
         self.owner.loop.create_task(self._serve(request))
 
     async def _serve(self, request: _Request) -> None:
+        from relay import unifiedpush_http
+
         worker = self.owner.worker
         started = time.perf_counter()
         try:
             status, headers, content = await self.owner.post(request)
-        except Exception as error:  # what Django would turn into a 500, logged without details
-            log.exception("unifiedpush.post_crashed", extra={"error_type": type(error).__name__})
-            status, headers, content = 500, [("Content-Type", "application/json")], b"{}"
+        except Exception as error:  # what Django would turn into a 500
+            status, headers, content = unifiedpush_http.crashed(error)
         if self.closed:
             return  # the client went away; the message was handled all the same
-        keep = worker._keep(request)
-        payload, headers = worker._render(status, headers, content, keep)
-        self._send(payload)
-        worker._record(self.conn, request, status, headers, len(payload), started)
+        try:
+            keep = worker._keep(request)
+            status, payload, headers = worker._render(status, headers, content, keep)
+            self._send(payload)
+            worker._record(self.conn, request, status, headers, len(payload), started)
+        except Exception as error:  # never leave the connection waiting: end it
+            log.exception("unifiedpush.answer_failed", extra={"error_type": type(error).__name__})
+            self.close()
+            return
         self.busy = False
         self.since = time.monotonic()
         if not keep:

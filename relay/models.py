@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import secrets
 import uuid
+from collections.abc import Collection
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
 
+from relay import endpoint_urls
 from relay.crypto import EncryptedTextField
 from relay.providers.base import Outcome
 
@@ -165,6 +168,25 @@ class Component(models.Model):
 
     def __str__(self) -> str:
         return self.jid
+
+    def clean_fields(self, exclude: Collection[str] | None = None) -> None:
+        """The UnifiedPush endpoint URL in ASCII (an IDN host in IDNA), or a clear error:
+        it goes into headers (relay.endpoint_urls)."""
+        errors: dict[str, list[ValidationError]] = {}
+        try:
+            super().clean_fields(exclude)
+        except ValidationError as error:
+            errors = error.error_dict
+        name = "unifiedpush_endpoint_url"
+        if self.unifiedpush_endpoint_url and name not in errors and name not in (exclude or ()):
+            try:
+                self.unifiedpush_endpoint_url = endpoint_urls.normalized(
+                    self.unifiedpush_endpoint_url
+                )
+            except ValidationError as error:
+                errors[name] = error.error_list
+        if errors:
+            raise ValidationError(errors)
 
     @property
     def serves_p2(self) -> bool:

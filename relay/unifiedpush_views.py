@@ -40,12 +40,14 @@ def _content_length(request: HttpRequest) -> int | None:
 def push_resource(request: HttpRequest, token: str) -> HttpResponse:
     """GET discovers; POST stores (usually answered by `FastPushPath` before Django)."""
     if request.method == "POST":
-        status, headers, body = unifiedpush_http.post(
-            token=token,
-            content_length=request.META.get("CONTENT_LENGTH") or "",
-            transfer_encoding=request.META.get("HTTP_TRANSFER_ENCODING", ""),
-            read=request.read,
-            header=request.headers.get,
+        status, headers, body = unifiedpush_http.sendable(
+            unifiedpush_http.post(
+                token=token,
+                content_length=request.META.get("CONTENT_LENGTH") or "",
+                transfer_encoding=request.META.get("HTTP_TRANSFER_ENCODING", ""),
+                read=request.read,
+                header=request.headers.get,
+            )
         )
         response = HttpResponse(body, status=status)
         for name, value in headers:

@@ -62,7 +62,7 @@ def test_an_operator_adds_a_unifiedpush_only_component_and_gets_its_snippet(oper
     "url, error",
     [
         ("", "Choose an app (the p2 commands), enter a UnifiedPush endpoint URL, or both."),
-        ("https://push.acme.example/?x=1", "a base URL without user, query or fragment"),
+        ("https://push.acme.example/?x=1", "Give a base URL without user, query or fragment."),
         ("not a url", "Enter a valid URL."),
     ],
 )

@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.db import DatabaseError
 
-from relay import conf
+from relay import conf, endpoint_urls
 from relay.models import Component, UnifiedPushUrgency
 from relay.services import link_leases
 from relay.services.unifiedpush import channel, store, tokens
@@ -146,7 +146,8 @@ def _read_policy(component_id: int) -> Policy | None:
         tenant_id=tenant.pk,
         serves=component.enabled and component.serves_unifiedpush,
         suspended=tenant.suspended,
-        endpoint_url=component.unifiedpush_endpoint_url,
+        # ASCII even for a row saved before URLs were checked: it goes into Location.
+        endpoint_url=endpoint_urls.ascii_form(component.unifiedpush_endpoint_url),
         tenant_rate=tenant.rate_limit_per_second,
         tenant_burst=float(tenant.rate_limit_burst) if tenant.rate_limit_burst else None,
         channel=channel,
