@@ -1,5 +1,5 @@
 # One image for every process of the relay; the command picks the process (compose.yaml):
-#   web       gunicorn pushsite.wsgi --bind 0.0.0.0:8000 ...   (the default CMD)
+#   web       python -m pushsite.server                         (the default CMD)
 #   gateway   python manage.py run_gateway
 #   worker    celery -A pushsite worker --pool threads ...
 #   beat      celery -A pushsite beat                           (exactly one per deployment)
@@ -14,7 +14,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/push-relay/.venv/bin:$PATH \
     VAR_DIR=/var/lib/push-relay \
-    STATIC_ROOT=/opt/push-relay/static
+    STATIC_ROOT=/opt/push-relay/static \
+    WEB_BIND=0.0.0.0:8000
 
 # A dedicated user that owns nothing but VAR_DIR (the beat schedule; a volume in compose.yaml).
 RUN groupadd --system --gid 10001 push-relay \
@@ -45,4 +46,4 @@ EXPOSE 8000 1997
 # For the web process; compose.yaml turns it off for the others (they serve no HTTP yet).
 HEALTHCHECK --interval=15s --timeout=6s --start-period=20s --retries=3 \
     CMD ["python", "/opt/push-relay/deploy/healthcheck.py", "http://127.0.0.1:8000/healthz"]
-CMD ["gunicorn", "pushsite.wsgi", "--bind", "0.0.0.0:8000", "--worker-class", "pushsite.web_worker.PushWorker", "--workers", "1", "--threads", "16", "--access-logfile", "-", "--config", "python:pushsite.gunicorn_conf"]
+CMD ["python", "-m", "pushsite.server"]

@@ -587,6 +587,27 @@ METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
 GATEWAY_PROBE_LISTEN = os.environ.get("GATEWAY_PROBE_LISTEN", "127.0.0.1:9101")
 WORKER_PROBE_LISTEN = os.environ.get("WORKER_PROBE_LISTEN", "127.0.0.1:9102")
 
+# --- The web process (`python -m pushsite.server`, docs/web.md): where it listens, its worker
+# processes and the threads of each (Django and the UnifiedPush resource's database work).
+WEB_BIND = os.environ.get("WEB_BIND", "127.0.0.1:8000")
+WEB_WORKERS = env_int("WEB_WORKERS", 1)
+WEB_THREADS = env_int("WEB_THREADS", 16)
+# What one connection may take: the head's bytes, its header fields, its request line, a body
+# (a longer Content-Length is refused with 400 and the connection closed).
+WEB_MAX_HEAD_BYTES = env_int("WEB_MAX_HEAD_BYTES", 16384)
+WEB_MAX_HEADERS = env_int("WEB_MAX_HEADERS", 100)
+WEB_MAX_REQUEST_LINE = env_int("WEB_MAX_REQUEST_LINE", 8190)
+WEB_MAX_BODY_BYTES = env_int("WEB_MAX_BODY_BYTES", 1024 * 1024)
+# Deadlines (seconds): a head must be whole within WEB_HEAD_SECONDS of when the server began
+# waiting for it (a new connection, or the previous answer sent: the keep-alive timeout too),
+# a body within WEB_BODY_SECONDS of its head, an answer flushed to the socket within
+# WEB_FLUSH_SECONDS (else the connection is closed hard); a stopping worker answers what it
+# holds for at most WEB_GRACEFUL_SECONDS.
+WEB_HEAD_SECONDS = env_float("WEB_HEAD_SECONDS", 75.0)
+WEB_BODY_SECONDS = env_float("WEB_BODY_SECONDS", 30.0)
+WEB_FLUSH_SECONDS = env_float("WEB_FLUSH_SECONDS", 10.0)
+WEB_GRACEFUL_SECONDS = env_float("WEB_GRACEFUL_SECONDS", 25.0)
+
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()
 LOGGING = {
     "version": 1,
@@ -605,6 +626,13 @@ LOGGING = {
         # (relay.logging.mask_secrets) before any handler sees them.
         "django.request": {"filters": ["mask_secrets"]},
         "django.server": {"filters": ["mask_secrets"], "level": "INFO", "propagate": True},
+        # The web process's access log (pushsite/server.py: one line per answer, every route)
+        # and Tornado's own lines ("Malformed HTTP message from …"); WSGIContainer's request
+        # lines would repeat the access log.
+        "pushsite.access": {"filters": ["mask_secrets"]},
+        "tornado.general": {"filters": ["mask_secrets"]},
+        "tornado.application": {"filters": ["mask_secrets"]},
+        "tornado.access": {"level": "CRITICAL"},
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
         "celery": {"level": LOG_LEVEL},

@@ -226,6 +226,57 @@ def probe_listen_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
 
 
 @register("relay")
+def web_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The web process's address, processes and limits (pushsite/server.py): a wrong value
+    would only show as a crash at its start, or as a limit that refuses every request."""
+    from relay.probes import parse_listen
+
+    relay = conf.current()
+    messages: list[CheckMessage] = []
+    try:
+        address = parse_listen(relay.web_bind)
+    except ValueError:
+        address = None
+    if address is None or not 0 <= address[1] <= 65535:
+        messages.append(Error("WEB_BIND must be host:port (e.g. 127.0.0.1:8000).", id="relay.E130"))
+    if relay.web_workers < 1 or relay.web_threads < 1:
+        messages.append(Error("WEB_WORKERS and WEB_THREADS must be at least 1.", id="relay.E131"))
+    if relay.web_max_head_bytes < 1024 or relay.web_max_headers < 10:
+        messages.append(
+            Error(
+                "WEB_MAX_HEAD_BYTES must be at least 1024 and WEB_MAX_HEADERS at least 10: "
+                "browsers and proxies send that much.",
+                id="relay.E132",
+            )
+        )
+    if not 256 <= relay.web_max_request_line <= relay.web_max_head_bytes:
+        messages.append(
+            Error(
+                "WEB_MAX_REQUEST_LINE must be at least 256 (an endpoint URL is up to 1000 "
+                "bytes: 1100 or more is wise) and at most WEB_MAX_HEAD_BYTES.",
+                id="relay.E132",
+            )
+        )
+    if relay.web_max_body_bytes < 64 * 1024:
+        messages.append(
+            Error(
+                "WEB_MAX_BODY_BYTES must be at least 65536 (a Matrix notification, an admin form).",
+                id="relay.E132",
+            )
+        )
+    deadlines = {
+        "WEB_HEAD_SECONDS": relay.web_head_seconds,
+        "WEB_BODY_SECONDS": relay.web_body_seconds,
+        "WEB_FLUSH_SECONDS": relay.web_flush_seconds,
+        "WEB_GRACEFUL_SECONDS": relay.web_graceful_seconds,
+    }
+    for name, seconds in deadlines.items():
+        if not seconds > 0:
+            messages.append(Error(f"{name} must be more than 0 seconds.", id="relay.E133"))
+    return messages
+
+
+@register("relay")
 def unifiedpush_direct_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """The direct path's window and listener: a wrong value would only show at the first POST."""
     from relay.services.unifiedpush.channel import parse_bind

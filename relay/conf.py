@@ -108,6 +108,18 @@ class RelayConf:
     gateway_probe_listen: str
     worker_probe_listen: str
     metrics_token: str
+    # The web process (pushsite/server.py)
+    web_bind: str
+    web_workers: int
+    web_threads: int
+    web_max_head_bytes: int
+    web_max_headers: int
+    web_max_request_line: int
+    web_max_body_bytes: int
+    web_head_seconds: float
+    web_body_seconds: float
+    web_flush_seconds: float
+    web_graceful_seconds: float
     # The broker's visibility timeout (seconds); None when the broker has none.
     broker_visibility_timeout: float | None
 
@@ -205,6 +217,17 @@ def build(source: Any = settings) -> RelayConf:
         gateway_probe_listen=str(source.GATEWAY_PROBE_LISTEN or ""),
         worker_probe_listen=str(source.WORKER_PROBE_LISTEN or ""),
         metrics_token=str(source.METRICS_TOKEN or ""),
+        web_bind=str(source.WEB_BIND),
+        web_workers=int(source.WEB_WORKERS),
+        web_threads=int(source.WEB_THREADS),
+        web_max_head_bytes=int(source.WEB_MAX_HEAD_BYTES),
+        web_max_headers=int(source.WEB_MAX_HEADERS),
+        web_max_request_line=int(source.WEB_MAX_REQUEST_LINE),
+        web_max_body_bytes=int(source.WEB_MAX_BODY_BYTES),
+        web_head_seconds=float(source.WEB_HEAD_SECONDS),
+        web_body_seconds=float(source.WEB_BODY_SECONDS),
+        web_flush_seconds=float(source.WEB_FLUSH_SECONDS),
+        web_graceful_seconds=float(source.WEB_GRACEFUL_SECONDS),
         broker_visibility_timeout=None if visibility is None else float(visibility),
     )
 

@@ -2,10 +2,10 @@
 
 UnifiedPush endpoint tokens are capabilities (whoever holds one can push to a phone) and
 arrive in request paths, which web servers and Django log (request lines, "Not Found: …",
-"Method Not Allowed: …", gunicorn's "Error handling request …"). `mask_secrets` is the one
-rule that removes them, applied by every log that may see a path: our formatter, the filter
-on Django's request loggers (settings.LOGGING) and gunicorn's loggers
-(pushsite/gunicorn_logging.py).
+"Method Not Allowed: …", the web server's access log and Tornado's own lines). `mask_secrets`
+is the one rule that removes them, applied by every log that may see a path: our formatter,
+and the filter on Django's request loggers, the access log and Tornado's loggers
+(settings.LOGGING).
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ _PUSH_PATH = re.compile(
     re.IGNORECASE,
 )
 # A PASETO token anywhere (a header, a query, a message): version, purpose, payload.
-_PASETO = re.compile(
-    r"v[1-4](?:\.|%2e)(?:local|public)(?:\.|%2e)[A-Za-z0-9_\-.%]+", re.IGNORECASE
-)
+_PASETO = re.compile(r"v[1-4](?:\.|%2e)(?:local|public)(?:\.|%2e)[A-Za-z0-9_\-.%]+", re.IGNORECASE)
 
 
 def _masked_path(match: re.Match[str]) -> str:

@@ -7,7 +7,7 @@ and cheap to call on hot paths.
 Labels never carry a JID, a token, a node, a secret or an endpoint: only tenant and app ids
 or names, provider names (fcm, apns, wns), verdicts, outcomes and bounded reason kinds.
 
-gunicorn runs several web processes: with PROMETHEUS_MULTIPROC_DIR set (pushsite/gunicorn_conf.py
+The web process runs several workers: with PROMETHEUS_MULTIPROC_DIR set (pushsite/server.py
 sets it before the workers start), prometheus_client keeps each process's values in files
 there, and /metrics adds up those of every worker (`registry()`). The gateway and the worker
 are one process each and use the default registry.
@@ -20,7 +20,6 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -205,8 +204,8 @@ class StateCollector(Collector):
         return []  # never called at registration time: `read` needs the database
 
 
-# Set by pushsite/gunicorn_conf.py for gunicorn's workers only (from WEB_METRICS_DIR), never
-# in the shared environment.
+# Set by pushsite/server.py for the web's workers only (from WEB_METRICS_DIR), never in the
+# shared environment.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -216,7 +215,7 @@ def multiprocess_dir() -> str:
 
 def registry(*extra: Collector) -> CollectorRegistry:
     """What a scrape of this process shows: in multiprocess mode every process's values from
-    the files (the web's gunicorn workers), else this process's; plus `extra` collectors."""
+    the files (the web's workers), else this process's; plus `extra` collectors."""
     if multiprocess_dir():
         from prometheus_client import multiprocess
 
@@ -254,28 +253,12 @@ def token_accepted(expected: str, authorization: str) -> bool:
     return hmac.compare_digest(authorization.encode(), f"Bearer {expected}".encode())
 
 
-class CountRequests:
-    """WSGI middleware (pushsite/wsgi.py): every request by handler, method and status,
-    including the UnifiedPush POSTs that skip Django."""
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
-    METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
-    def __init__(self, application: Callable[..., Iterable[bytes]]) -> None:
-        self.application = application
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        start = time.perf_counter()
-        handler = http_handler(environ.get("PATH_INFO", ""))
-        method = environ.get("REQUEST_METHOD", "")
-        method = method if method in self.METHODS else "other"
-        status = ["500"]
-
-        def counting_start_response(code: str, headers: Any, *args: Any) -> Any:
-            status[0] = code[:3]
-            return start_response(code, headers, *args)
-
-        try:
-            return self.application(environ, counting_start_response)
-        finally:
-            HTTP_REQUESTS.labels(handler, method, status[0]).inc()
-            HTTP_DURATION.labels(handler).observe(time.perf_counter() - start)
+def count_request(path: str, method: str, status: int, seconds: float) -> None:
+    """One answered request of the web process (pushsite/server.py counts every one, of
+    every route), by handler, method and status; never the path itself."""
+    handler = http_handler(path)
+    HTTP_REQUESTS.labels(handler, method if method in _METHODS else "other", str(status)).inc()
+    HTTP_DURATION.labels(handler).observe(seconds)

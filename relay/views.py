@@ -21,7 +21,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    """Prometheus: every gunicorn worker's counters added up, and the stored state."""
+    """Prometheus: every web worker's counters added up, and the stored state."""
     authorization = request.headers.get("Authorization", "")
     if not metrics.token_accepted(conf.current().metrics_token, authorization):
         return HttpResponse(status=401, headers={"WWW-Authenticate": "Bearer"})

@@ -26,6 +26,14 @@ def send_queue():
     broker.purge()
 
 
+@pytest.fixture
+def push_client():
+    """The UnifiedPush resource as the web server calls it (tests/support/push_client.py)."""
+    from tests.support.push_client import PushClient
+
+    return PushClient()
+
+
 @pytest.fixture(autouse=True)
 def _tallies_written_per_batch(settings):
     """Tests that publish in-process read the tallies at once; the gateway's default writes

@@ -156,8 +156,8 @@ def dockerfile() -> list[Instruction]:
 
 def normalized(argv: list[str]) -> list[str]:
     """What must match between the routes: the program (not where it is installed) and every
-    argument except gunicorn's bind address, which differs on purpose (a container listens on
-    all its interfaces, a host on loopback behind the proxy)."""
+    argument except a bind address, which differs on purpose (a container listens on all its
+    interfaces, a host on loopback behind the proxy)."""
     words = [Path(argv[0]).name, *argv[1:]]
     if "--bind" in words:
         words[words.index("--bind") + 1] = "<bind>"

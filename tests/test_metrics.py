@@ -1,7 +1,7 @@
-"""Watching the real processes: web under gunicorn with two workers, the gateway linked to a
+"""Watching the real processes: web with two worker processes, the gateway linked to a
 real Prosody, the worker sending to a fake FCM. Each one's /metrics is scraped before and
 after a register, a publish and some API requests, and the numbers must move by exactly what
-was done: the web's counters added up over both gunicorn workers (each keeps its own file).
+was done: the web's counters added up over both web workers (each keeps its own file).
 
 Then the gateway's and the worker's /readyz against a private PostgreSQL and Redis that are
 stopped and started again: unready while either is away, ready once it is back.
@@ -137,7 +137,7 @@ def register(client, component: Component, token: str) -> tuple[str, str]:
 
 
 def per_worker_api_requests(metrics_dir: Path) -> list[float]:
-    """The API requests each gunicorn worker counted in its own file."""
+    """The API requests each web worker counted in its own file."""
     counts = []
     for path in sorted(metrics_dir.glob("counter_*.db")):
         counts.append(
@@ -193,7 +193,7 @@ def test_each_process_counts_what_it_did(processes, prosody, fake_fcm, xmpp_clie
         before["gateway"], "relay_publishes_total", tenant=tenant, verdict="accepted"
     )
 
-    # The web process: API requests spread over both gunicorn workers, added up by /metrics.
+    # The web process: API requests spread over both web workers, added up by /metrics.
     labels = {"handler": "api", "method": "GET", "status": "200"}
     web_before = sample(scrape(web), "relay_http_requests_total", **labels)
     with ThreadPoolExecutor(8) as pool:
@@ -211,7 +211,7 @@ def test_each_process_counts_what_it_did(processes, prosody, fake_fcm, xmpp_clie
             web_after, "relay_http_requests_total", handler="api", method="POST", status=str(status)
         ) == refused.count(status)
     per_worker = per_worker_api_requests(processes["metrics_dir"])
-    assert len(per_worker) == 2, per_worker  # one file per gunicorn worker
+    assert len(per_worker) == 2, per_worker  # one file per web worker
     api_total = sum(
         value
         for (name, labels_), value in web_after.items()

@@ -1,6 +1,7 @@
 """UnifiedPush end to end: a real Prosody routes between our component (the gateway process)
-and a slixmpp phone; the web process is gunicorn; application servers are `pywebpush` (RFC
-8291 encryption, VAPID) and plain HTTP clients; the phone decrypts with `http_ece`.
+and a slixmpp phone; the web process is `python -m pushsite.server`; application servers are
+`pywebpush` (RFC 8291 encryption, VAPID) and plain HTTP clients; the phone decrypts with
+`http_ece`.
 
 The phone registers, is online, goes offline (session closed: Prosody answers our pushes
 `service-unavailable`), hibernates with stream management (Prosody holds our pushes in the

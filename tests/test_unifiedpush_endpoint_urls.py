@@ -138,7 +138,7 @@ tenants:
         ("https://push.example/a b", "https://push.example/a%20b"),
     ],
 )
-def test_rows_saved_before_the_check_get_ascii_endpoints_and_locations(client, old, base):
+def test_rows_saved_before_the_check_get_ascii_endpoints_and_locations(push_client, old, base):
     tenant = Tenant.objects.create(name="old")
     component = Component.objects.create(
         tenant=tenant, jid="up.old.example", secret="x", unifiedpush_endpoint_url=IDNA
@@ -147,16 +147,18 @@ def test_rows_saved_before_the_check_get_ascii_endpoints_and_locations(client, o
     endpoint = new_endpoint(component)
     assert endpoint.startswith(base + "/push/v4.local.")
     token = endpoint.rsplit("/", 1)[1]
-    # The Django view (the WSGI fast path and the worker: test_unifiedpush_web_worker.py).
-    response = client.post(f"/push/{token}", data=b"hi", content_type="application/octet-stream")
+    # The resource (through the real web server: test_unifiedpush_web_worker.py).
+    response = push_client.post(
+        f"/push/{token}", data=b"hi", content_type="application/octet-stream"
+    )
     assert response.status_code == 201
     assert response["Location"].startswith(base + "/push/message/")
     assert UnifiedPushMessage.objects.count() == 1
 
 
 def test_an_answer_whose_header_cannot_be_sent_becomes_a_500():
-    """Every path that answers a POST passes its answer through `sendable`: whatever was
-    computed, the client gets an answer it can read."""
+    """Every answer of the resource passes through `sendable`: whatever was computed, the
+    client gets an answer it can read."""
     good = (201, [("Location", IDNA + "/push/message/x"), ("TTL", "60")], b"")
     assert unifiedpush_http.sendable(good) == good
     for headers in (

@@ -1,15 +1,13 @@
 """Hostile input against the push resource, message resources and the Matrix gateway: token
-shapes, methods, headers and bodies from hypothesis. Never a 500 (the test client raises any
-exception the view lets out), only the statuses the contract names, and a well-formed POST to
-a live endpoint is always stored."""
+shapes, methods, headers and bodies from hypothesis. Never a 500, only the statuses the
+contract names, and a well-formed POST to a live endpoint is always stored. The resource is
+called as the web server calls it (tests/support/push_client.py)."""
 
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
-import sys
 import time
 from urllib.parse import quote
 
@@ -107,32 +105,9 @@ HEADER_TEXT = st.one_of(
 REACHED: set[int] = set()
 
 
-def wsgi_request(method: str, path: str, body: bytes, headers: dict[str, str]):
-    """Call pushsite.wsgi.application as gunicorn would; (status, body)."""
-    from pushsite.wsgi import application
-
-    environ = {
-        "REQUEST_METHOD": method, "PATH_INFO": path.encode().decode("latin-1"),
-        "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "80", "HTTP_HOST": "127.0.0.1",
-        "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/octet-stream",
-        "wsgi.input": io.BytesIO(body), "wsgi.url_scheme": "http", "wsgi.errors": sys.stderr,
-        "SERVER_PROTOCOL": "HTTP/1.1",
-    }  # fmt: skip
-    for name, value in headers.items():
-        key = name.upper().replace("-", "_")
-        key = key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + key
-        environ[key] = value
-    answer: list[str] = []
-    chunks = application(environ, lambda status, _headers, *_: answer.append(status))
-    content = b"".join(chunks)
-    if hasattr(chunks, "close"):
-        chunks.close()
-    return int(answer[0].split()[0]), content
-
-
 @settings(FUZZ, max_examples=300, derandomize=True)  # the same examples every run
 @given(data=st.data())
-def hostile_push_resource_examples(client, endpoints, data):
+def hostile_push_resource_examples(push_client, endpoints, data):
     token = data.draw(token_shapes(endpoints["live"], [endpoints["expired"], endpoints["foreign"]]))
     method = data.draw(
         st.sampled_from(
@@ -164,21 +139,14 @@ def hostile_push_resource_examples(client, endpoints, data):
         )
     )
     messages.reset_limits()
-    fast = method == "post" and token.startswith("v4.local.")
-    # POSTs to endpoints also straight through the WSGI application gunicorn serves (its fast
-    # path); other requests there would reach Django's real handler, which closes the test's
-    # transaction, so they go through the test client only.
-    if not fast or data.draw(st.booleans()):
-        response = client.generic(
-            method.upper(),
-            "/push/" + quote(token, safe=""),
-            data=body,
-            content_type="application/octet-stream",
-            headers=headers,
-        )
-        status, content = response.status_code, response.content
-    else:
-        status, content = wsgi_request(method.upper(), "/push/" + token, body, headers)
+    response = push_client.generic(
+        method.upper(),
+        "/push/" + quote(token, safe=""),
+        data=body,
+        content_type="application/octet-stream",
+        headers=headers,
+    )
+    status, content = response.status_code, response.content
     assert status in ALLOWED, (status, content[:200])
     REACHED.add(status)
     well_formed = (
@@ -199,9 +167,9 @@ def hostile_push_resource_examples(client, endpoints, data):
         assert status in {400, 404, 405, 411, 413}
 
 
-def test_the_push_resource_never_fails_on_hostile_input(client, endpoints):
+def test_the_push_resource_never_fails_on_hostile_input(push_client, endpoints):
     REACHED.clear()
-    hostile_push_resource_examples(client, endpoints)
+    hostile_push_resource_examples(push_client, endpoints)
     # The examples got past every check at least once, storing included.
     assert {201, 400, 404, 405, 413} <= REACHED, REACHED
 
@@ -211,8 +179,8 @@ def test_the_push_resource_never_fails_on_hostile_input(client, endpoints):
     reference=st.one_of(st.text(max_size=60), st.text(URLSAFE + ".", max_size=60)),
     method=st.sampled_from(["delete", "get", "post"]),
 )
-def test_message_resources_never_fail(client, endpoints, reference, method):
-    response = client.generic(method.upper(), "/push/message/" + quote(reference, safe=""))
+def test_message_resources_never_fail(push_client, endpoints, reference, method):
+    response = push_client.generic(method.upper(), "/push/message/" + quote(reference, safe=""))
     assert response.status_code in ALLOWED
 
 
@@ -227,7 +195,7 @@ JSON = st.recursive(
 
 @FUZZ
 @given(data=st.data())
-def test_the_matrix_gateway_never_fails(client, endpoints, data):
+def test_the_matrix_gateway_never_fails(push_client, endpoints, data):
     shape = data.draw(st.sampled_from(["json", "bytes", "notification"]))
     if shape == "bytes":
         payload = data.draw(st.binary(max_size=3000))
@@ -262,15 +230,17 @@ def test_the_matrix_gateway_never_fails(client, endpoints, data):
         }
         payload = json.dumps(notification).encode()
     messages.reset_limits()
-    response = client.post("/_matrix/push/v1/notify", data=payload, content_type="application/json")
+    response = push_client.post(
+        "/_matrix/push/v1/notify", data=payload, content_type="application/json"
+    )
     assert response.status_code in {200, 400, 413, 429, 503}
     if response.status_code == 200:
         assert isinstance(response.json()["rejected"], list)
 
 
-def test_the_fuzz_stored_what_it_accepted_and_nothing_else(client, endpoints):
+def test_the_fuzz_stored_what_it_accepted_and_nothing_else(push_client, endpoints):
     """A control: the same client and fixture do store a well-formed POST."""
-    response = client.post(
+    response = push_client.post(
         "/push/" + endpoints["live"], data=b"x", content_type="application/octet-stream"
     )
     assert response.status_code == 201

@@ -53,10 +53,10 @@ def b64(raw: bytes) -> str:
 
 
 class Lab:
-    def __init__(self, server: FakeXmppServer, component: Component, client) -> None:
+    def __init__(self, server: FakeXmppServer, component: Component, push_client) -> None:
         self.server = server
         self.component = component
-        self.client = client
+        self.push_client = push_client
         self.gateway = None
         self._ids = 0
         self.answered: set[str] = set()
@@ -90,7 +90,7 @@ class Lab:
         return registered.get("endpoint")
 
     def post(self, endpoint: str, body: bytes = b"hello", **headers: str):
-        return self.client.post(
+        return self.push_client.post(
             urlsplit(endpoint).path,
             data=body,
             content_type="application/octet-stream",
@@ -134,7 +134,7 @@ class Lab:
 
 
 @pytest.fixture
-def lab(client):
+def lab(push_client):
     messages.reset_limits()
     server = FakeXmppServer(COMPONENT, SECRET)
     tenant = Tenant.objects.create(name="lab", allowed_domains="localhost\n*.example.net")
@@ -146,7 +146,7 @@ def lab(client):
         port=server.port,
         unifiedpush_endpoint_url=BASE,
     )
-    lab = Lab(server, component, client)
+    lab = Lab(server, component, push_client)
     lab.start_gateway()
     try:
         yield lab

@@ -37,9 +37,6 @@ from relay.services.uwpx import ErrorKind, UwpxError
 
 log = logging.getLogger(__name__)
 
-# Set by relay.api.fast on a request it hands on after counting its address.
-GUARDED = "relay.uwpx.address_counted"
-
 STATUS = {
     ErrorKind.MALFORMED: 400,
     ErrorKind.INVALID: 422,
@@ -116,8 +113,7 @@ def _guard(run: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
     @functools.wraps(run)
     def guarded(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         try:
-            if not request.META.get(GUARDED):  # not counted already (relay.api.fast)
-                uwpx.check_address_rate(client_address=client_address(request))
+            uwpx.check_address_rate(client_address=client_address(request))
             _check_size(request)
         except UwpxError as error:
             return error_response(request, error)

@@ -135,18 +135,19 @@ test_database_url.__test__ = False  # type: ignore[attr-defined]  # a helper, no
 
 
 def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[ServiceProcess, str]:
-    """The web process as the Procfile runs it (gunicorn), on a free port; and its base URL."""
+    """The web process as the Procfile runs it (`python -m pushsite.server`), on a free port;
+    and its base URL."""
     from tests.support.ports import free_port
 
     port = free_port()
+    settings = {
+        "WEB_BIND": f"127.0.0.1:{port}",
+        "WEB_WORKERS": str(workers),
+        "WEB_THREADS": str(threads),
+    }
     web = ServiceProcess(
-        "web",
-        [sys.executable, "-m", "gunicorn", "pushsite.wsgi", "--bind", f"127.0.0.1:{port}",
-         "--worker-class", "pushsite.web_worker.PushWorker",
-         "--workers", str(workers), "--threads", str(threads),
-         "--access-logfile", "-", "--config", "python:pushsite.gunicorn_conf"],
-        service_env(**env),
-    )  # fmt: skip
+        "web", [sys.executable, "-m", "pushsite.server"], service_env(**{**settings, **env})
+    )
     return web, _ready(web, port)
 
 

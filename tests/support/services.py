@@ -107,8 +107,18 @@ class PrivatePostgres:
     def init(self) -> PrivatePostgres:
         _run(
             _as_postgres_user(
-                [postgres_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
-                 "-E", "UTF8", "--no-sync"]
+                [
+                    postgres_bin("initdb"),
+                    "-D",
+                    str(self.data),
+                    "-A",
+                    "trust",
+                    "-U",
+                    "postgres",
+                    "-E",
+                    "UTF8",
+                    "--no-sync",
+                ]
             )
         )
         with (self.data / "pg_hba.conf").open("a") as hba:
@@ -125,8 +135,19 @@ class PrivatePostgres:
             self.init()
         _run(
             _as_postgres_user(
-                [postgres_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log),
-                 "-o", self._options(), "-w", "-t", str(int(timeout)), "start"]
+                [
+                    postgres_bin("pg_ctl"),
+                    "-D",
+                    str(self.data),
+                    "-l",
+                    str(self.log),
+                    "-o",
+                    self._options(),
+                    "-w",
+                    "-t",
+                    str(int(timeout)),
+                    "start",
+                ]
             ),
             timeout=timeout + 10,
         )
@@ -139,8 +160,17 @@ class PrivatePostgres:
             return
         _run(
             _as_postgres_user(
-                [postgres_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w",
-                 "-t", str(int(timeout)), "stop"]
+                [
+                    postgres_bin("pg_ctl"),
+                    "-D",
+                    str(self.data),
+                    "-m",
+                    mode,
+                    "-w",
+                    "-t",
+                    str(int(timeout)),
+                    "stop",
+                ]
             ),
             timeout=timeout + 10,
         )
@@ -173,8 +203,25 @@ class PrivatePostgres:
     def psql(self, sql: str, dbname: str = "postgres") -> str:
         """Run SQL through psql; returns its unaligned, tuples-only output."""
         return _run(
-            ["psql", "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-h", LOOPBACK,
-             "-p", str(self.port), "-U", "postgres", "-d", dbname, "-c", sql]
+            [
+                "psql",
+                "-X",
+                "-q",
+                "-A",
+                "-t",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-h",
+                LOOPBACK,
+                "-p",
+                str(self.port),
+                "-U",
+                "postgres",
+                "-d",
+                dbname,
+                "-c",
+                sql,
+            ]
         ).strip()
 
     def create_database(self, name: str) -> str:
@@ -186,8 +233,21 @@ class PrivatePostgres:
         standby = PrivatePostgres(workdir)
         _run(
             _as_postgres_user(
-                ["pg_basebackup", "-h", LOOPBACK, "-p", str(self.port), "-U", "postgres",
-                 "-D", str(standby.data), "-R", "-X", "stream", "--no-sync"]
+                [
+                    "pg_basebackup",
+                    "-h",
+                    LOOPBACK,
+                    "-p",
+                    str(self.port),
+                    "-U",
+                    "postgres",
+                    "-D",
+                    str(standby.data),
+                    "-R",
+                    "-X",
+                    "stream",
+                    "--no-sync",
+                ]
             ),
             timeout=120,
         )
@@ -211,9 +271,23 @@ class PrivateRedis:
             raise ServiceError("redis-server not found: install redis-server (`make test` does)")
         log = (self.workdir / "redis.log").open("ab")
         self.process = subprocess.Popen(
-            [binary, "--bind", LOOPBACK, "--port", str(self.port), "--save", "",
-             "--appendonly", "yes" if self.durable else "no", "--appendfsync", "always",
-             "--dir", str(self.workdir), "--databases", "16"],
+            [
+                binary,
+                "--bind",
+                LOOPBACK,
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "yes" if self.durable else "no",
+                "--appendfsync",
+                "always",
+                "--dir",
+                str(self.workdir),
+                "--databases",
+                "16",
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -77,7 +77,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = kept
 
 
-
 _seconds: dict[str, float] = {}
 
 

@@ -1,0 +1,429 @@
+"""The web process (pushsite/server.py) over raw sockets, as hostile or careless clients use
+it: kept-alive and pipelined requests answered in order and whole, every route on one
+connection, clients that stop reading (a deadline on flushing, then a hard close: no
+connection held for ever, nothing read without bound), header limits as configured, slow or
+stalled heads and bodies that hold nothing anyone else needs. The real process, as the
+Procfile starts it, on PostgreSQL; a worker in this process where a failure must be made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import pytest
+
+from pushsite import server
+from relay.models import Component, Tenant, UnifiedPushMessage
+from relay.services.unifiedpush import messages
+from tests.support import raw_http
+from tests.support.endpoints import new_endpoint
+from tests.support.processes import ServiceProcess, start_web, wait_until
+from tests.support.raw_http import Reader, closed_by_peer, exchange, post, request
+
+LIMITS = {
+    "WEB_HEAD_SECONDS": "2",
+    "WEB_BODY_SECONDS": "2",
+    "WEB_FLUSH_SECONDS": "1",
+    "WEB_MAX_HEADERS": "20",
+    "WEB_MAX_REQUEST_LINE": "2048",
+    "WEB_MAX_HEAD_BYTES": "8192",
+}
+NO_RATES = {
+    "RELAY_UNIFIEDPUSH_ENDPOINT_RATE": "0/0",
+    "RELAY_UNIFIEDPUSH_TENANT_RATE": "0/0",
+    "RELAY_UNIFIEDPUSH_MAX_STORED_PER_ENDPOINT": "1000",
+}
+
+
+def connect(port: int, timeout: float = 20, receive_buffer: int = 0) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer:  # before connecting: the window it offers stays that small
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(timeout)
+    sock.connect(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def workers_of(web: ServiceProcess) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == web.process.pid:
+                children.append(int(entry.name))
+    return children
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+
+
+def answers_within_a_second(port: int, data: bytes) -> raw_http.Answer:
+    started = time.monotonic()
+    with connect(port, timeout=1.0) as sock:
+        [answer] = exchange(sock, data)
+    assert time.monotonic() - started < 1.0
+    return answer
+
+
+@pytest.fixture(scope="module")
+def static_files() -> str:
+    """The collected static files the web process serves (WhiteNoise reads them at its
+    start); the path of a large one (jQuery: 280 KiB)."""
+    from django.conf import settings
+    from django.core.management import call_command
+
+    if not (Path(settings.STATIC_ROOT) / "staticfiles.json").exists():
+        call_command("collectstatic", interactive=False, verbosity=0)
+    return "/static/admin/js/vendor/jquery/jquery.js"
+
+
+@pytest.fixture
+def web_endpoint(transactional_db, static_files):
+    """The real web process with short limits; (it, its port, a component, a live token)."""
+    messages.reset_limits()
+    web, url = start_web(**NO_RATES, **LIMITS)
+    try:
+        tenant = Tenant.objects.create(name="web")
+        component = Component.objects.create(
+            tenant=tenant, jid="up.web.example", secret="x", unifiedpush_endpoint_url=url
+        )
+        token = new_endpoint(component).rsplit("/", 1)[1]
+        yield web, int(url.rsplit(":", 1)[1]), component, token
+    finally:
+        web.stop()
+
+
+def test_every_route_on_one_kept_alive_connection(web_endpoint):
+    web, port, _, token = web_endpoint
+    with connect(port) as sock:
+        [created] = exchange(sock, post(token, b"one", "TTL: 30"))
+        assert created.status == 201
+        assert created.header("TTL") == "30" and created.header("Location")
+        assert created.header("X-Content-Type-Options") == "nosniff"
+        # Two pipelined in one write, then Django on the same connection.
+        answers = exchange(sock, post(token, b"two") + post(token, b"three"), 2)
+        assert [a.status for a in answers] == [201, 201]
+        [discovered] = exchange(sock, request("GET", f"/push/{token}"))
+        assert discovered.status == 200 and b'"unifiedpush"' in discovered.body
+        [health] = exchange(sock, request("GET", "/healthz"))
+        assert health.status == 200
+        # Refusals: too large, unknown, malformed TTL.
+        assert exchange(sock, post(token, b"x" * 4097))[0].status == 413
+        assert exchange(sock, post(token[:-3] + "AAA", b"x"))[0].status == 404
+        assert exchange(sock, post(token, b"x", "TTL: soon"))[0].status == 400
+        # Chunked: refused (a push needs its length), the body read and dropped.
+        chunked = post(token, b"3\r\nabc\r\n0\r\n\r\n", "Transfer-Encoding: chunked")
+        assert exchange(sock, chunked)[0].status == 411
+        # A body larger than any push: read and dropped, refused, the connection kept.
+        assert exchange(sock, post(token, b"y" * 20000))[0].status == 413
+        assert exchange(sock, post(token, b"four"))[0].status == 201
+        # A request in pieces.
+        data = post(token, b"in pieces")
+        sock.sendall(data[:30])
+        sock.sendall(data[30:-4])
+        assert exchange(sock, data[-4:])[0].status == 201
+        # A request that stalls half-way: closed at the body's deadline (2 s here).
+        started = time.monotonic()
+        sock.sendall(data[:-2])
+        assert closed_by_peer(sock, timeout=15)
+        assert time.monotonic() - started > 1.5
+    # Connection: close and HTTP/1.0 are answered, then the connection ends.
+    with connect(port) as sock:
+        [closing] = exchange(sock, post(token, b"five", "Connection: close"))
+        assert closing.status == 201 and closing.header("Connection") == "close"
+        assert closed_by_peer(sock, timeout=5)
+    with connect(port) as sock:
+        [old] = exchange(sock, post(token, b"six").replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+        assert old.status == 201
+        assert closed_by_peer(sock, timeout=5)
+    assert UnifiedPushMessage.objects.count() == 7
+    log = web.log_text()
+    assert "Traceback" not in log, log[-3000:]
+    assert token not in log, "a log line names a token"
+
+
+def test_pipelined_answers_come_in_order_and_whole_to_a_slow_reader(web_endpoint):
+    """Answers of both routes (the loop's and Django's threads), more than the socket buffers
+    hold, read slowly: each one whole, in the order asked, none lost or spliced."""
+    _, port, _, token = web_endpoint
+    count = 600
+    requests = [
+        post(token, b"n%d" % n) if n % 3 else request("GET", "/healthz") for n in range(count)
+    ]
+    with connect(port, timeout=30) as sock:
+        sender = threading.Thread(target=sock.sendall, args=(b"".join(requests),))
+        sender.start()
+        reader = Reader(sock)
+        answers: list[raw_http.Answer] = []
+        while len(answers) < count:  # a reader that lags: a few answers at a time
+            answers += reader.answers(min(5, count - len(answers)), timeout=30)
+            select.select([], [], [], 0.002)
+        sender.join(timeout=30)
+    assert [a.status for a in answers] == [201 if n % 3 else 200 for n in range(count)]
+    assert all(a.body == b'{"status": "ok"}' for a in answers[::3])
+    locations = [a.header("Location") for n, a in enumerate(answers) if n % 3]
+    assert len(set(locations)) == len(locations) == UnifiedPushMessage.objects.count()
+
+
+def test_clients_that_stop_reading_are_closed_at_the_flush_deadline(web_endpoint, static_files):
+    """Twenty clients pipeline until nothing more is taken, never reading, then ask to close:
+    each is closed by the server (WEB_FLUSH_SECONDS, 1 s here), and the server answers
+    others all along. (Large static files: a few fill the socket buffers.)"""
+    web, port, _, token = web_endpoint
+    stuck = []
+    for _ in range(20):
+        sock = connect(port, receive_buffer=4096)
+        sock.setblocking(False)
+        chunk = request("GET", static_files) * 20
+        with pytest.raises(BlockingIOError):  # until the buffers on both sides are full
+            while True:
+                sock.send(chunk)
+        with suppress(BlockingIOError):
+            sock.send(request("GET", "/healthz", "Connection: close"))
+        stuck.append(sock)
+    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+    # Every one of them ends (reset: what was not sent is dropped), and nothing is held.
+    wait_until(lambda: raw_http.established(port) == 0, timeout=15)
+    for sock in stuck:
+        sock.setblocking(True)
+        assert closed_by_peer(sock, timeout=5)
+        sock.close()
+    assert "web.flush_timeout" in web.log_text()
+    assert answers_within_a_second(port, post(token, b"after")).status == 201
+
+
+def test_a_client_pipelining_without_reading_is_read_no_further_than_a_bound(web_endpoint):
+    """While a worker cannot send, it reads no more of the connection (one read-ahead chunk):
+    the client's sends block, or the connection ends at the flush deadline. 48 MiB offered,
+    far less taken, and the worker's memory does not grow with it."""
+    web, port, _, token = web_endpoint
+    [worker] = workers_of(web)
+    before = rss_kib(worker)
+    payload = post(token, b"x" * 100) * (48 * 1024 * 1024 // len(post(token, b"x" * 100)))
+    taken = 0
+    with connect(port) as sock:
+        sock.setblocking(False)
+        while taken < len(payload):
+            try:
+                taken += sock.send(payload[taken : taken + 1024 * 1024])
+            except BlockingIOError:
+                if not select.select([], [sock], [], 3.0)[1]:
+                    break  # nothing more taken for 3 s: blocked
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server ended it
+    # Kernel buffers on both sides (at most a few MiB on loopback) and the worker's bound.
+    assert taken < 16 * 1024 * 1024, taken
+    assert rss_kib(worker) - before < 64 * 1024
+    assert answers_within_a_second(port, post(token, b"after")).status == 201
+
+
+def test_header_limits_are_the_configured_ones(web_endpoint):
+    _, port, _, token = web_endpoint
+    fields = [f"X-Field-{n}: {n}" for n in range(19)]  # with Host: 20, the limit here
+    with connect(port) as sock:
+        assert exchange(sock, request("GET", "/healthz", *fields))[0].status == 200
+    with connect(port) as sock:
+        [answer] = exchange(sock, request("GET", "/healthz", *fields, "X-One-More: 1"))
+        assert answer.status == 431
+        assert answer.header("X-Content-Type-Options") == "nosniff"
+        assert closed_by_peer(sock, timeout=5)
+    with connect(port) as sock:
+        [answer] = exchange(sock, post(token + "A" * 2048, b"x"))
+        assert answer.status == 414
+        assert closed_by_peer(sock, timeout=5)
+    # A thousand fields, or one of 9,000 bytes: past the head's 8192 bytes, the connection
+    # is closed without an answer.
+    for lines in ([f"X-{n}: {n}" for n in range(1000)], ["X-Big: " + "b" * 9000]):
+        with connect(port) as sock:
+            sock.sendall(request("GET", "/healthz", *lines))
+            assert closed_by_peer(sock, timeout=5)
+    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+
+
+def test_slow_and_stalled_heads_and_bodies_hold_nothing_others_need(web_endpoint):
+    """200 connections stall (a head never finished, a body never finished, nothing sent):
+    /healthz and POSTs answer within a second meanwhile, and each stalled one is closed at
+    its deadline (2 s here)."""
+    _, port, _, token = web_endpoint
+    stalled = []
+    for n in range(200):
+        sock = connect(port)
+        if n % 3 == 0:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localh")
+        elif n % 3 == 1:
+            sock.sendall(post(token, b"z" * 100)[:-50])
+        stalled.append(sock)
+    for _ in range(3):
+        assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+        assert answers_within_a_second(port, post(token, b"meanwhile")).status == 201
+    for sock in stalled:
+        assert closed_by_peer(sock, timeout=15)
+        sock.close()
+    wait_until(lambda: raw_http.established(port) == 0, timeout=10)
+
+
+def test_a_component_saved_before_urls_were_checked_gets_answers_on_every_path(web_endpoint):
+    """Its stored URL has a non-ASCII host: every POST is answered (201 with the ASCII
+    Location), kept alive, pipelined behind a refusal, and over HTTP/1.0."""
+    web, port, component, token = web_endpoint
+    Component.objects.filter(pk=component.pk).update(
+        unifiedpush_endpoint_url="http://пример.example"
+    )
+    messages.policies.clear()
+    location = "http://xn--e1afmkfd.example/push/message/"
+    with connect(port, timeout=5) as sock:
+        assert exchange(sock, post(token, b"x", "TTL: soon"))[0].status == 400
+        for body in (b"first", b"second"):
+            [answer] = exchange(sock, post(token, body))
+            assert answer.status == 201 and answer.header("Location").startswith(location)
+        answers = exchange(sock, post(token, b"x", "TTL: soon") + post(token, b"3rd"), 2)
+        assert [answer.status for answer in answers] == [400, 201]
+    with connect(port, timeout=5) as sock:
+        [answer] = exchange(sock, post(token, b"fourth").replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+        assert answer.status == 201 and answer.header("Location").startswith(location)
+    assert UnifiedPushMessage.objects.count() == 4
+    assert "Traceback" not in web.log_text(), web.log_text()[-3000:]
+
+
+# --------------------------------------------------------------------------- in this process
+class _Resource:
+    """A stand-in for the UnifiedPush resource that fails the way a bug would, or waits."""
+
+    max_body_bytes = 4097
+
+    def __init__(self) -> None:
+        self.holding = threading.Event()  # a request waits in /push/slow
+        self.release = asyncio.Event()
+
+    def refusal(self, method, path, header):
+        return None
+
+    async def answer(self, method, path, header, body, in_thread):
+        if path == "/push/raise":
+            raise RuntimeError("a bug after the message was handled")
+        if path == "/push/unsendable":
+            return 201, [("Location", "https://a.example/\r\nSet-Cookie: x=1")], b""
+        if path == "/push/slow":
+            self.holding.set()
+            await self.release.wait()
+        return 201, [("Location", "https://a.example/push/message/x")], b""
+
+
+def _django(environ, start_response):
+    if environ["PATH_INFO"] == "/unsendable":
+        start_response("200 OK", [("X-Bad", "a\nb")])
+    else:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"django"]
+
+
+class Worker:
+    """One worker (the same `serve` the process runs) on a thread of its own."""
+
+    def __init__(self, **limits: float) -> None:
+        self.sockets = server.bind_sockets(0, "127.0.0.1")
+        self.port = self.sockets[0].getsockname()[1]
+        self.resource = _Resource()
+        defaults = {
+            "max_head_bytes": 8192, "max_headers": 20, "max_request_line": 2048,
+            "max_body_bytes": 65536, "head_seconds": 5.0, "body_seconds": 5.0,
+            "flush_seconds": 1.0, "graceful_seconds": 5.0,
+        }  # fmt: skip
+        self.limits = server.Limits(**{**defaults, **limits})
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopped: asyncio.Event | None = None
+        ready = threading.Event()
+
+        async def run() -> None:
+            self.loop, self.stopped = asyncio.get_running_loop(), asyncio.Event()
+            ready.set()
+            await server.serve(self.sockets, self.site, self.stopped)
+
+        self.thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True)
+        self.thread.start()
+        assert ready.wait(5)
+
+    def site(self) -> server.Site:
+        return server.Site(
+            django=_django, resource=self.resource, resource_paths=re.compile(r"/push/.*"),
+            limits=self.limits, threads=2,
+        )  # fmt: skip
+
+    def on_loop(self, call) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(call)
+
+    def stop(self) -> None:
+        assert self.stopped is not None
+        self.on_loop(self.stopped.set)
+
+    def join(self) -> None:
+        self.stop()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the worker did not stop"
+
+
+@contextmanager
+def in_process_worker(**limits: float) -> Iterator[Worker]:
+    worker = Worker(**limits)
+    try:
+        yield worker
+    finally:
+        worker.join()
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.defaults
+def test_a_failure_after_the_answer_was_computed_never_leaves_the_client_waiting():
+    with in_process_worker() as worker:
+        for method, path in (("POST", "/push/raise"), ("POST", "/push/unsendable"),
+                             ("GET", "/unsendable")):  # fmt: skip
+            with connect(worker.port, timeout=5) as sock:
+                body = b"x" if method == "POST" else b""
+                [answer] = exchange(sock, request(method, path, body=body))
+                assert answer.status == 500, path
+                assert answer.header("Connection") == "close"
+                assert answer.header("X-Content-Type-Options") == "nosniff"
+                assert closed_by_peer(sock, timeout=5)
+        with connect(worker.port, timeout=5) as sock:  # the worker serves on
+            assert exchange(sock, request("POST", "/push/fine", body=b"x"))[0].status == 201
+
+
+@pytest.mark.defaults
+def test_a_stopping_worker_answers_what_it_holds_then_closes():
+    with in_process_worker() as worker:
+        idle = connect(worker.port, timeout=5)
+        assert exchange(idle, request("GET", "/healthz"))[0].status == 200
+        busy = connect(worker.port, timeout=5)
+        busy.sendall(request("POST", "/push/slow", body=b"x"))
+        assert worker.resource.holding.wait(5)
+        worker.stop()
+        assert closed_by_peer(idle, timeout=5)  # idle: closed at once
+        wait_until(lambda: not _accepts(worker.port), timeout=5)  # accepts no more
+        worker.on_loop(worker.resource.release.set)
+        [answer] = Reader(busy).answers(1, timeout=5)
+        assert answer.status == 201 and answer.header("Connection") == "close"
+        assert closed_by_peer(busy, timeout=5)
+        idle.close()
+        busy.close()
