@@ -1,13 +1,13 @@
 """Windows API benchmark: device registrations per second through the HTTP API on PostgreSQL.
 
 One registration is what a UWPX client does on first start: `set_channel_uri`, then
-`set_accounts` with its accounts (two by default, as in the seed). The API runs in gunicorn as
-in the Procfile (gthread workers, pushsite.gunicorn_conf), rate limits on (the per-address
+`set_accounts` with its accounts (two by default, as in the seed). The API runs in the web
+process as the Procfile starts it (`python -m pushsite.server`), rate limits on (the per-address
 limit is lifted: every request comes from loopback), counters in Redis. A second phase
 re-sends every device's accounts (the path that keeps nodes and secrets).
 
 Figures per phase: devices and requests per second, latency per action, and the CPU each
-process spent per device (gunicorn's workers, this driver, PostgreSQL's and Redis's server
+process spent per device (the web's workers, this driver, PostgreSQL's and Redis's server
 processes, found by the ports they serve, so other servers on the machine are not counted),
 with the machine's load average and busy fraction: the machine is shared, so a rate alone
 says little. The driver is a minimal HTTP/1.1 keep-alive client on asyncio (a general client
@@ -79,7 +79,7 @@ def child_pids(parent: int) -> list[int]:
 
 
 def tree_cpu(root: int) -> float:
-    """A server and its live children: the postmaster's backends, gunicorn's workers."""
+    """A server and its live children: the postmaster's backends, the web's workers."""
     return cpu_seconds(root) + sum(cpu_seconds(pid) for pid in child_pids(root))
 
 
@@ -161,7 +161,7 @@ async def run_phase(
     """Each item is one device's sequence of messages, sent in order; devices run in parallel.
 
     `reconnect`: each device on a connection of its own, as Windows clients connect: kept-alive
-    connections stay with the gunicorn worker that accepted them, and 32 of them can all land
+    connections stay with the web worker that accepted them, and 32 of them can all land
     on one worker (its GIL then bounds the run while the other idles)."""
     split = urlsplit(base_url)
     host, port, path = split.hostname or "127.0.0.1", split.port or 80, split.path
@@ -276,7 +276,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4000)
     parser.add_argument("--accounts", type=int, default=2, help="accounts per device")
     parser.add_argument("--concurrency", type=int, default=32, help="clients in flight")
-    parser.add_argument("--web-workers", type=int, default=2, help="gunicorn workers")
+    parser.add_argument("--web-workers", type=int, default=2, help="web worker processes")
     parser.add_argument("--web-threads", type=int, default=16, help="threads per worker")
     parser.add_argument("--profile", default="", help="py-spy command to record workers with")
     parser.add_argument(
@@ -316,24 +316,14 @@ def main() -> None:
 
     port = free_port()
     web = subprocess.Popen(
-        [
-            str(ROOT / ".venv" / "bin" / "gunicorn"),
-            "pushsite.wsgi",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--worker-class",
-            "gthread",
-            "--workers",
-            str(args.web_workers),
-            "--threads",
-            str(args.web_threads),
-            "--log-level",
-            "warning",
-            "--config",
-            "python:pushsite.gunicorn_conf",
-        ],
+        [sys.executable, "-m", "pushsite.server"],
         cwd=ROOT,
-        env=dict(os.environ),
+        env={
+            **os.environ,
+            "WEB_BIND": f"127.0.0.1:{port}",
+            "WEB_WORKERS": str(args.web_workers),
+            "WEB_THREADS": str(args.web_threads),
+        },
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
@@ -398,7 +388,7 @@ def main() -> None:
         raise SystemExit(f"requests failed: {first['errors']} {again['errors']}")
     results = {
         "benchmark": "api",
-        "what": "UWPX registrations (set_channel_uri + set_accounts) through gunicorn",
+        "what": "UWPX registrations (set_channel_uri + set_accounts) through the web process",
         "registrations_per_second": first["devices_per_second"],
         "re_registrations_per_second": again["devices_per_second"],
         "accounts_per_device": args.accounts,

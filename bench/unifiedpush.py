@@ -2,7 +2,7 @@
 Prosody's mod_unified_push, in the same run, on the same Prosody, driven the same way.
 
 One Prosody (bench/peers/prosody-unifiedpush.cfg.lua) routes both sides:
-- ours: application server --HTTP--> web (gunicorn) --the direct path (TCP)--> gateway
+- ours: application server --HTTP--> web (pushsite.server) --the direct path (TCP)--> gateway
   --component link--> Prosody --c2s--> phone, and the phone's `result` back to the gateway,
   which answers the web process (then the POST 201) and writes the delivery record; a
   message the phone does not take at once goes through the store (PostgreSQL, NOTIFY).
@@ -442,11 +442,6 @@ def main() -> None:
     parser.add_argument("--phones", type=int, default=8)
     parser.add_argument("--web-workers", type=int, default=1)
     parser.add_argument("--web-threads", type=int, default=16)
-    parser.add_argument(
-        "--web-worker-class",
-        default="pushsite.web_worker.PushWorker",
-        help="gunicorn worker class (the Procfile's; gthread for gunicorn's own)",
-    )
     parser.add_argument("--gateway-threads", type=int, default=8)
     parser.add_argument(
         "--direct-seconds",
@@ -491,16 +486,18 @@ def main() -> None:
     prosody = BenchProsody(workdir / "prosody")
     prosody.start()
     web_port = free_port()
-    web = subprocess.Popen(  # application_name: PostgreSQL's CPU is split by who asks
-
-        [
-            str(ROOT / ".venv" / "bin" / "gunicorn"), "pushsite.wsgi",
-            "--bind", f"127.0.0.1:{web_port}", "--worker-class", args.web_worker_class,
-            "--workers", str(args.web_workers), "--threads", str(args.web_threads),
-            "--log-level", "warning",
-        ],
-        cwd=ROOT, env={**os.environ, "DATABASE_URL": database_url + "?application_name=web"},
-    )  # fmt: skip
+    web = subprocess.Popen(  # as the Procfile starts it
+        [sys.executable, "-m", "pushsite.server"],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            # application_name: PostgreSQL's CPU is split by who asks.
+            "DATABASE_URL": database_url + "?application_name=web",
+            "WEB_BIND": f"127.0.0.1:{web_port}",
+            "WEB_WORKERS": str(args.web_workers),
+            "WEB_THREADS": str(args.web_threads),
+        },
+    )
     tenant = Tenant.objects.create(name="bench")
     component = Component.objects.create(
         tenant=tenant,
@@ -557,7 +554,7 @@ def main() -> None:
             "benchmark": "unifiedpush",
             "body_bytes": args.body_bytes,
             "seconds_per_phase": args.seconds,
-            "web": f"gunicorn {args.web_worker_class}, {args.web_workers} workers x "
+            "web": f"python -m pushsite.server, {args.web_workers} workers x "
             f"{args.web_threads} threads",
             "gateway_threads": args.gateway_threads,
             "direct_seconds": args.direct_seconds,

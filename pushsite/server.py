@@ -312,7 +312,7 @@ class Site(HTTPServerConnectionDelegate):
         from pushsite import security
 
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="web")
-        self.django = WSGIContainer(django, executor=self.executor)
+        self.django = WSGIContainer(_trimmed_headers(django), executor=self.executor)
         self.resource = resource
         self.resource_paths = resource_paths
         self.limits = limits
@@ -378,7 +378,12 @@ class Site(HTTPServerConnectionDelegate):
         deadline = asyncio.get_running_loop().call_later(
             self.limits.flush_seconds, self._too_slow, exchange
         )
-        flushed.add_done_callback(lambda _: (deadline.cancel(), self._flushed(exchange)))
+
+        def done(_: object) -> None:
+            deadline.cancel()
+            self._flushed(exchange)
+
+        flushed.add_done_callback(done)
 
     def _flushed(self, exchange: _Exchange) -> None:
         exchange.peer.busy = False
@@ -405,8 +410,27 @@ class Site(HTTPServerConnectionDelegate):
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
+def _trimmed_headers(application: Callable[..., Any]) -> Callable[..., Any]:
+    """The WSGI application with its header values trimmed: Django writes each Set-Cookie
+    value with a leading space (`cookie.output(header="")`), which the wire allows around a
+    value but Tornado's HTTPHeaders refuses as part of one (every answer setting a cookie
+    would fail)."""
+
+    def trimmed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        def start(status: str, headers: list[tuple[str, str]], *exc_info: Any) -> Any:
+            return start_response(
+                status, [(name, value.strip()) for name, value in headers], *exc_info
+            )
+
+        return application(environ, start)
+
+    return trimmed
+
+
 class WebServer(HTTPServer):
     """Tornado's HTTPServer, telling the site when a connection ends."""
+
+    request_callback: Site
 
     def on_close(self, server_conn: object) -> None:
         super().on_close(server_conn)

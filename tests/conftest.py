@@ -26,6 +26,20 @@ def send_queue():
     broker.purge()
 
 
+@pytest.fixture(scope="session")
+def collected_static() -> str:
+    """The static files collected where the web process serves them from (WhiteNoise reads
+    them at its start); the path of a large one (jQuery, 280 KiB)."""
+    from pathlib import Path
+
+    from django.conf import settings
+    from django.core.management import call_command
+
+    if not (Path(settings.STATIC_ROOT) / "staticfiles.json").exists():
+        call_command("collectstatic", interactive=False, verbosity=0)
+    return "/static/admin/js/vendor/jquery/jquery.js"
+
+
 @pytest.fixture
 def push_client():
     """The UnifiedPush resource as the web server calls it (tests/support/push_client.py)."""

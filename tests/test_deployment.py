@@ -343,7 +343,11 @@ def test_env_example_lists_every_variable_the_code_and_the_command_lines_read():
             assert index and lines[index - 1].startswith("#"), f"no comment for {line!r}"
     # The required ones are set (empty) rather than commented out, so they cannot be missed.
     required = {
-        "DEPLOYMENT", "SECRET_KEY", "CREDENTIAL_KEYS", "UNIFIEDPUSH_KEYS", "ALLOWED_HOSTS",
+        "DEPLOYMENT",
+        "SECRET_KEY",
+        "CREDENTIAL_KEYS",
+        "UNIFIEDPUSH_KEYS",
+        "ALLOWED_HOSTS",
         "POSTGRES_PASSWORD",
     }
     assert required <= set(read_env_file("\n".join(lines)))
@@ -643,6 +647,7 @@ def test_each_unit_runs_does_its_job_and_stops_cleanly_on_sigterm(deployment):
         assert check.returncode == 0, check.stderr
 
         wait_until(lambda: "gateway.started" in events(processes["gateway"]), timeout=60)
+
         # The gateway's and the worker's probe listeners (no component: nothing to wait for).
         def ready(probe_port: int) -> bool:
             try:

@@ -1,7 +1,7 @@
 """The direct path (relay/services/unifiedpush/channel.py): a POST for an online phone is
 handed from the web process to the gateway, sent at once and answered when the phone did;
 a phone that does not take it within the window gets it stored, and nothing overtakes what
-is stored. Real Prosody, gateway and gunicorn, as in test_unifiedpush_e2e."""
+is stored. Real Prosody, gateway and web process, as in test_unifiedpush_e2e."""
 
 from __future__ import annotations
 
@@ -189,8 +189,8 @@ def test_a_gateway_gone_during_the_window_loses_nothing(lab, how):  # noqa: F811
 
 
 class KeepAlive:
-    """One kept-alive HTTP/1.1 connection, as application servers keep them: from its second
-    request on, the web worker's event loop serves it (pushsite/web_worker.py, PushLoop)."""
+    """One kept-alive HTTP/1.1 connection, as application servers keep them (the web
+    process's event loop serves every request of it)."""
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -217,8 +217,8 @@ def test_posts_on_a_kept_alive_connection_go_the_direct_path_from_the_event_loop
             status, headers = connection.post(f"kept {n}".encode(), TTL="30")
             assert status == 201 and headers["TTL"] == "30"
             assert message_id(headers) >= DIRECT_IDS
-        # Past the cached component state's lifetime, within the keep-alive timeout (2 s):
-        # one POST meets a cold cache and is answered from a thread, the others from the loop.
+        # Past the cached component state's lifetime: one POST meets a cold cache and reads
+        # it on the thread pool, the others are answered from what the loop has cached.
         deadline = time.monotonic() + messages.POLICY_SECONDS + 0.5
         slow = 0
         while time.monotonic() < deadline:
@@ -229,8 +229,8 @@ def test_posts_on_a_kept_alive_connection_go_the_direct_path_from_the_event_loop
         other = phone.register_endpoint(COMPONENT[0])
         phone.answer_with = "item-not-found"
         revoked = KeepAlive(other.url)
-        assert revoked.post(b"first, from a thread")[0] == 404
-        assert revoked.post(b"then from the loop")[0] == 404
+        assert revoked.post(b"first, the phone refuses it")[0] == 404
+        assert revoked.post(b"then the revocation is known")[0] == 404
         revoked.close()
     finally:
         connection.close()
@@ -252,7 +252,7 @@ def test_a_post_waiting_in_the_event_loop_is_never_lost(lab, how):  # noqa: F811
     phone = lab.phone()
     endpoint = phone.register_endpoint(COMPONENT[0])
     connection = KeepAlive(endpoint.url)
-    assert connection.post(b"adopts the connection")[0] == 201
+    assert connection.post(b"first, on a fresh connection")[0] == 201
     phone.answer_with = None
     answers: list[tuple[int, dict]] = []
 

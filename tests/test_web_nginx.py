@@ -1,0 +1,166 @@
+"""The documented reverse proxy, run: a real nginx with deploy/nginx/push-relay.conf (the text
+docs/web.md shows; only the addresses, certificate and log paths are this test's) in front of
+the real web process. Requests reach the web process over HTTP/1.1 on a kept-alive
+connection, so what the benchmarks measure is what runs behind the proxy; no token reaches
+nginx's access log."""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+import os
+import shutil
+import ssl
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from relay.models import Component, Tenant
+from relay.services.unifiedpush import messages
+from tests.support import raw_http
+from tests.support.endpoints import new_endpoint
+from tests.support.ports import free_port, port_accepts
+from tests.support.processes import ROOT, ServiceProcess, start_web, wait_until
+
+HOST = "push.example.org"
+CONFIG = ROOT / "deploy" / "nginx" / "push-relay.conf"
+
+
+@dataclass
+class Proxied:
+    port: int  # nginx's
+    web: ServiceProcess
+    web_port: int
+    token: str  # of a live endpoint
+    log: Path  # nginx's access log
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(HOST)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "fullchain.pem", folder / "privkey.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+def documented_config(folder: Path, web_port: int, port: int) -> str:
+    """The documented file with this test's addresses and paths, each replaced exactly once."""
+    cert_path, key_path = self_signed(folder)
+    text = CONFIG.read_text()
+    assert text in (ROOT / "docs" / "web.md").read_text(), "docs/web.md shows another config"
+    for old, new in (
+        ("server 127.0.0.1:8000;", f"server 127.0.0.1:{web_port};"),
+        ("listen 443 ssl;", f"listen 127.0.0.1:{port} ssl;"),
+        (f"/etc/letsencrypt/live/{HOST}/fullchain.pem", str(cert_path)),
+        (f"/etc/letsencrypt/live/{HOST}/privkey.pem", str(key_path)),
+        ("/var/log/nginx/push-relay.log", str(folder / "access.log")),
+    ):
+        assert text.count(old) == 1, f"the documented config no longer has {old!r}"
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.fixture
+def nginx_in_front(transactional_db, tmp_path) -> Iterator[Proxied]:
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    assert Path(binary).exists(), "nginx is missing: `make test` installs it (as root)"
+    messages.reset_limits()
+    web, url = start_web(ALLOWED_HOSTS=f"{HOST},127.0.0.1,localhost")
+    port = free_port()
+    (tmp_path / "push-relay.conf").write_text(
+        documented_config(tmp_path, int(url.rsplit(":", 1)[1]), port)
+    )
+    user = "user root;" if os.geteuid() == 0 else ""
+    (tmp_path / "nginx.conf").write_text(
+        f"""{user}
+daemon off;
+worker_processes 1;
+pid {tmp_path}/nginx.pid;
+error_log {tmp_path}/error.log info;
+events {{ worker_connections 256; }}
+http {{
+    client_body_temp_path {tmp_path}/body;
+    proxy_temp_path {tmp_path}/proxy;
+    fastcgi_temp_path {tmp_path}/fastcgi;
+    uwsgi_temp_path {tmp_path}/uwsgi;
+    scgi_temp_path {tmp_path}/scgi;
+    include {tmp_path}/push-relay.conf;
+}}
+"""
+    )
+    nginx = subprocess.Popen(
+        [binary, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: nginx.poll() is not None or port_accepts(port), timeout=15)
+        assert nginx.poll() is None, (tmp_path / "error.log").read_text()
+        tenant = Tenant.objects.create(name="proxied")
+        component = Component.objects.create(
+            tenant=tenant, jid="up.proxied.example", secret="x",
+            unifiedpush_endpoint_url=f"https://{HOST}",
+        )  # fmt: skip
+        token = new_endpoint(component).rsplit("/", 1)[1]
+        yield Proxied(port, web, int(url.rsplit(":", 1)[1]), token, tmp_path / "access.log")
+    finally:
+        nginx.terminate()
+        nginx.wait(10)
+        web.stop()
+        assert "Traceback" not in web.log_text(), web.log_text()[-3000:]
+
+
+def test_through_the_documented_nginx_on_one_kept_alive_upstream_connection(nginx_in_front):
+    port, token, access_log = nginx_in_front.port, nginx_in_front.token, nginx_in_front.log
+    tls = ssl.create_default_context()
+    tls.check_hostname = False
+    tls.verify_mode = ssl.CERT_NONE
+    for n in range(10):  # each client on a connection of its own, as application servers
+        client = http.client.HTTPSConnection("127.0.0.1", port, timeout=20, context=tls)
+        try:
+            client.request("POST", f"/push/{token}", body=b"n%d" % n, headers={"Host": HOST})
+            answer = client.getresponse()
+            answer.read()
+            assert answer.status == 201
+            assert answer.headers["Location"].startswith(f"https://{HOST}/push/message/")
+            assert answer.headers["X-Content-Type-Options"] == "nosniff"
+            client.request("GET", "/healthz", headers={"Host": HOST})
+            health = client.getresponse()
+            assert health.status == 200 and health.read() == b'{"status": "ok"}'
+        finally:
+            client.close()
+    # Twenty requests from ten clients came over one upstream connection, still open for the
+    # next (nginx's default, HTTP/1.0, would have opened and closed one per request).
+    assert raw_http.established(nginx_in_front.web_port) == 1
+    web_log = nginx_in_front.web.log_text().splitlines()
+    requests = [line for line in web_log if "pushsite.access" in line]
+    assert len(requests) == 20 and all("HTTP/1.1" in line for line in requests), requests
+    wait_until(lambda: access_log.exists() and access_log.read_text().count("\n") >= 20)
+    logged = access_log.read_text()
+    assert token not in logged and '"POST /push/… HTTP/1.1" 201' in logged, logged
