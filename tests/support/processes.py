@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,6 +54,17 @@ class ServiceProcess:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def log_events(self) -> list[str]:
+        """The `event` of each of its JSON log lines."""
+        import json
+
+        events = []
+        for line in self.log_text().splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    events.append(str(json.loads(line).get("event", "")))
+        return events
 
     def alive(self) -> bool:
         return self.process.poll() is None
