@@ -118,6 +118,8 @@ INSTALLED_APPS = [
     "ninja",  # serves the API docs' assets itself (no CDN)
     "axes",  # admin login lockout (relay/services/login_throttle.py)
     "relay",
+    # Feature apps: each plugs into the core (tenancy, the gateway) from its AppConfig.
+    "relay.unifiedpush",
     "xmppgateway",
 ]
 
@@ -466,7 +468,7 @@ RELAY.update(
     }
 )
 
-# --- UnifiedPush (relay/services/unifiedpush/, README "UnifiedPush").
+# --- UnifiedPush (relay/unifiedpush/services/, README "UnifiedPush").
 RELAY.update(
     {
         # TTL granted at most, and assumed when a POST sends none (seconds).

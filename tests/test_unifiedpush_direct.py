@@ -1,4 +1,4 @@
-"""The direct path (relay/services/unifiedpush/channel.py): a POST for an online phone is
+"""The direct path (relay/unifiedpush/services/channel.py): a POST for an online phone is
 handed from the web process to the gateway, sent at once and answered when the phone did;
 a phone that does not take it within the window gets it stored, and nothing overtakes what
 is stored. Real Prosody, gateway and gunicorn, as in test_unifiedpush_e2e."""
@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from relay.models import UnifiedPushDelivery, UnifiedPushMessage
-from relay.services.unifiedpush import messages
+from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
+from relay.unifiedpush.services import messages
 from tests.support.processes import wait_until
 from tests.test_unifiedpush_e2e import COMPONENT, lab  # noqa: F401  (the fixture)
 

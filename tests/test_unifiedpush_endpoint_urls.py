@@ -15,10 +15,12 @@ from django.core.exceptions import ValidationError
 from django.test import Client
 from django.urls import reverse
 
-from relay import endpoint_urls, unifiedpush_http
-from relay.models import Component, Tenant, UnifiedPushMessage
+from relay import endpoint_urls
+from relay.unifiedpush import http as unifiedpush_http
+from relay.models import Component, Tenant
 from relay.services.provisioning import load_tenants
-from relay.services.unifiedpush import messages
+from relay.unifiedpush.models import UnifiedPushMessage
+from relay.unifiedpush.services import messages
 from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,

@@ -11,9 +11,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from relay.services.unifiedpush import UP_NS, messages, tokens
-from relay.services.unifiedpush.store import NewMessage, StoredMessage
-from xmppgateway.unifiedpush import Recipient, UnifiedPushRelay
+from relay.unifiedpush.gateway.relay import Recipient, UnifiedPushRelay
+from relay.unifiedpush.services import UP_NS, messages, tokens
+from relay.unifiedpush.services.store import NewMessage, StoredMessage
 
 pytestmark = pytest.mark.defaults
 

@@ -14,8 +14,9 @@ import time
 import pytest
 
 from pushsite.web_worker import parse_head
-from relay.models import Component, Tenant, UnifiedPushMessage
-from relay.services.unifiedpush import messages
+from relay.models import Component, Tenant
+from relay.unifiedpush.models import UnifiedPushMessage
+from relay.unifiedpush.services import messages
 from tests.support.endpoints import new_endpoint
 from tests.support.processes import start_web
 

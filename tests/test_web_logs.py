@@ -25,7 +25,7 @@ from gunicorn.config import Config
 import relay.logging as relay_logging
 from pushsite.gunicorn_logging import Logger as GunicornLogger
 from relay.models import Component, Tenant
-from relay.services.unifiedpush import messages
+from relay.unifiedpush.services import messages
 from tests.support.endpoints import new_endpoint
 from tests.support.processes import ServiceProcess, start_dev_server, start_web, wait_until
 

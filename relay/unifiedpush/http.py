@@ -18,9 +18,9 @@ from typing import Any
 
 from django.db import close_old_connections
 
-from relay.services.unifiedpush import messages
-from relay.services.unifiedpush.channel import AsyncChannels
-from relay.services.unifiedpush.messages import MAX_BODY_BYTES, PushRefused
+from relay.unifiedpush.services import messages
+from relay.unifiedpush.services.channel import AsyncChannels
+from relay.unifiedpush.services.messages import MAX_BODY_BYTES, PushRefused
 
 log = logging.getLogger(__name__)
 

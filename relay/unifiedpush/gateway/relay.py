@@ -1,6 +1,6 @@
 """UnifiedPush in the gateway: the register iq, and relaying stored messages to phones.
 
-The web process stores each POST (`relay.services.unifiedpush.store`) and wakes us: on
+The web process stores each POST (`relay.unifiedpush.services.store`) and wakes us: on
 PostgreSQL with NOTIFY (the payload carries the sealed message, so nothing is read back), and
 on every database with a periodic sweep for messages that are due (the only wake-up on
 SQLite, hence a short interval there). We send each message as `<push>` iq on the link of its
@@ -36,19 +36,22 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 from xml.sax.saxutils import quoteattr
 
 from django.db import connection
 from slixmpp.jid import JID
 
 from relay import conf
-from relay.models import UnifiedPushOutcome
-from relay.services.unifiedpush import UP_NS, channel, delivery, messages, registration, store
-from relay.services.unifiedpush.delivery import Fate
-from relay.services.unifiedpush.keys import Unsealable
-from relay.services.unifiedpush.store import DeliveryRecord, NewMessage, StoredMessage
+from relay.models import Component
+from relay.unifiedpush.gateway.channel import ChannelServer
+from relay.unifiedpush.models import UnifiedPushOutcome
+from relay.unifiedpush.services import UP_NS, channel, delivery, messages, registration, store
+from relay.unifiedpush.services.delivery import Fate
+from relay.unifiedpush.services.keys import Unsealable
+from relay.unifiedpush.services.store import DeliveryRecord, NewMessage, StoredMessage
 from xmppgateway import handlers
+from xmppgateway.features import Sender
 from xmppgateway.handlers import Answer, LinkContext, RunBlocking, Unavailable
 
 log = logging.getLogger(__name__)
@@ -74,10 +77,6 @@ EXPIRY_SECONDS = 5.0
 # and errs only towards declining (a message ended elsewhere, by DELETE or expiry).
 INDEX_SECONDS = 30.0
 RECORDS_MAX = 100_000  # direct-path delivery records awaiting a database that is down
-
-
-class Sender(Protocol):
-    def send_raw(self, data: str | bytes) -> None: ...
 
 
 @dataclass(slots=True)
@@ -235,15 +234,40 @@ class UnifiedPushRelay:
     _last_index: float = 0.0
     _direct_count: int = 0
     _records: _Batch[DeliveryRecord] = field(init=False)
+    _channel_server: ChannelServer | None = None
 
     def __post_init__(self) -> None:
         self._finishes = _Batch(self._write_finishes)
         self._records = _Batch(lambda records: self._spawn(self._write_records(records)))
 
-    # --- wiring (xmppgateway.gateway)
+    # --- plugged into the gateway (xmppgateway.features)
 
     def iq_set_handlers(self) -> dict[str, handlers.IqHandler]:
         return {REGISTER_TAG: self.register}
+
+    def disco_features(self, component: Component) -> list[str]:
+        return [UP_NS] if component.serves_unifiedpush else []
+
+    async def start(self) -> str:
+        """The direct path's listener (`gateway.channel`), announced with the gateway's
+        leases; a gateway that cannot listen still relays, every message through the store."""
+        if self.direct_window <= 0:
+            return ""
+        bind = channel.parse_bind(conf.current().unifiedpush_channel)  # checked (relay.E012)
+        if bind is None:
+            return ""
+        server = ChannelServer(bind, self.offer)
+        try:
+            await server.start()
+        except OSError as error:
+            log.error("unifiedpush.channel_failed", extra={"error_type": type(error).__name__})
+            return ""
+        self._channel_server = server
+        return server.address
+
+    async def stop(self) -> None:
+        if self._channel_server is not None:
+            await self._channel_server.stop()
 
     def link_up(self, component_id: int, component_jid: str, sender: Sender) -> None:
         self.links[component_id] = _Link(sender, component_jid)
@@ -462,7 +486,7 @@ class UnifiedPushRelay:
         for message in stored:
             self.consider(message, flush=True)
 
-    # --- the direct path (relay/services/unifiedpush/channel.py)
+    # --- the direct path (relay/unifiedpush/services/channel.py)
 
     def offer(self, message: NewMessage) -> asyncio.Future[tuple[str, int | None]]:
         """A web process offers a message: sent now, its verdict once the phone answered (or
