@@ -120,6 +120,7 @@ INSTALLED_APPS = [
     "relay",
     # Feature apps: each plugs into the core (tenancy, the gateway) from its AppConfig.
     "relay.unifiedpush",
+    "relay.windows",
     "xmppgateway",
 ]
 

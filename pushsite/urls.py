@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.urls import include, path
 
 from relay import views
-from relay.api.views import api as api_v1
+from relay.windows.api.views import api as api_v1
 
 urlpatterns = [
     path("admin/", admin.site.urls),

@@ -134,9 +134,8 @@ def test_unifiedpush_deliveries_are_listed_per_tenant_read_only(operator_client)
     assert sorted(page.context["cl"].queryset.values_list("size", flat=True)) == [111, 400]
     assert operator_client.get(url).context["cl"].queryset.count() == 4
     record = UnifiedPushDelivery.objects.get(size=111)
-    change = client.post(
-        reverse("admin:unifiedpush_unifiedpushdelivery_change", args=[record.pk]), {"outcome": "expired"}
-    )
+    url = reverse("admin:unifiedpush_unifiedpushdelivery_change", args=[record.pk])
+    change = client.post(url, {"outcome": "expired"})
     assert change.status_code in (302, 403)
     record.refresh_from_db()
     assert record.outcome == "delivered"

@@ -1,5 +1,6 @@
 """The direct path's wire (relay/unifiedpush/services/channel.py), its listener in the
-gateway (relay/unifiedpush/gateway/channel.py), its announcement with the leases, and its start-up check."""
+gateway (relay/unifiedpush/gateway/channel.py), its announcement with the leases, and its
+start-up check."""
 
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ from django.test import Client
 from django.urls import reverse
 
 from relay import endpoint_urls
-from relay.unifiedpush import http as unifiedpush_http
 from relay.models import Component, Tenant
 from relay.services.provisioning import load_tenants
+from relay.unifiedpush import http as unifiedpush_http
 from relay.unifiedpush.models import UnifiedPushMessage
 from relay.unifiedpush.services import messages
 from tests.support.admin import (

@@ -1,7 +1,6 @@
 import django.db.models.deletion
 from django.db import migrations, models
 
-
 MODELS = ["unifiedpushmessage", "unifiedpushrevocation", "unifiedpushdelivery"]
 
 
