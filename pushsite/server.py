@@ -4,7 +4,7 @@ Tornado's HTTP/1.1 server (its public interface only), in WEB_WORKERS processes 
 this one, each with one event loop and a pool of WEB_THREADS threads:
 
 - `/push/…` and `/_matrix/push/v1/notify` go to the UnifiedPush resource
-  (relay/unifiedpush_http.py) on the event loop: a POST waiting for the phone holds no thread;
+  (relay/unifiedpush/http.py) on the event loop: a POST waiting for the phone holds no thread;
 - everything else goes to Django (pushsite/wsgi.py) through `tornado.wsgi.WSGIContainer`, on
   the thread pool.
 
@@ -101,7 +101,7 @@ class Limits:
 
 
 class Resource(Protocol):
-    """A route served on the event loop (relay.unifiedpush_http.PushResource)."""
+    """A route served on the event loop (relay.unifiedpush.http.PushResource)."""
 
     max_body_bytes: int
 
@@ -467,7 +467,8 @@ async def serve(
 
 def _site() -> Site:
     from pushsite.wsgi import application
-    from relay import conf, unifiedpush_http
+    from relay import conf
+    from relay.unifiedpush import http as unifiedpush_http
 
     return Site(
         django=application,
@@ -600,7 +601,7 @@ def main() -> int:
     sockets = bind_sockets(address[1], address[0], backlog=1024)
     # Loaded once here and shared by the forked workers.
     import pushsite.wsgi  # noqa: F401
-    import relay.unifiedpush_http  # noqa: F401
+    import relay.unifiedpush.http  # noqa: F401
 
     gc.collect()
     # Everything loaded so far lives as long as the process: left out of the collector's

@@ -118,6 +118,9 @@ INSTALLED_APPS = [
     "ninja",  # serves the API docs' assets itself (no CDN)
     "axes",  # admin login lockout (relay/services/login_throttle.py)
     "relay",
+    # Feature apps: each plugs into the core (tenancy, the gateway) from its AppConfig.
+    "relay.unifiedpush",
+    "relay.windows",
     "xmppgateway",
 ]
 
@@ -466,7 +469,7 @@ RELAY.update(
     }
 )
 
-# --- UnifiedPush (relay/services/unifiedpush/, README "UnifiedPush").
+# --- UnifiedPush (relay/unifiedpush/services/, README "UnifiedPush").
 RELAY.update(
     {
         # TTL granted at most, and assumed when a POST sends none (seconds).

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.urls import path
 
 from relay import views
-from relay.api.views import api as api_v1
+from relay.windows.api.views import api as api_v1
 
 urlpatterns = [
     path("admin/", admin.site.urls),
@@ -12,5 +12,5 @@ urlpatterns = [
     # /api/v1/openapi.json is the schema, /api/v1/docs the interactive docs.
     path("api/v1/", api_v1.urls),
     # UnifiedPush's endpoints, message resources and Matrix push gateway are not Django's:
-    # the web server sends them to relay/unifiedpush_http.py (pushsite/server.py).
+    # the web server sends them to relay/unifiedpush/http.py (pushsite/server.py).
 ]

@@ -17,10 +17,11 @@ from django.utils import timezone
 
 from relay.models import Delivery, Registration, Service, Tenant
 from relay.report_models import PublishTally, RegistrationEvent, RetentionCut
-from relay.services import delivery, lifecycle, queue, retention, tallies, throttling, uwpx
+from relay.services import delivery, lifecycle, queue, retention, tallies, throttling
 from relay.services import provider_registry as registry
 from relay.services.publishing import Publish, Verdict, accept_publishes
 from relay.services.registrations import register_device, unregister_device
+from relay.windows import services as uwpx
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeWns
 from tests.support.provider_fakes import configure_fcm, configure_wns

@@ -1,4 +1,4 @@
-"""The direct path (relay/services/unifiedpush/channel.py): a POST for an online phone is
+"""The direct path (relay/unifiedpush/services/channel.py): a POST for an online phone is
 handed from the web process to the gateway, sent at once and answered when the phone did;
 a phone that does not take it within the window gets it stored, and nothing overtakes what
 is stored. Real Prosody, gateway and web process, as in test_unifiedpush_e2e."""
@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from relay.models import UnifiedPushDelivery, UnifiedPushMessage
-from relay.services.unifiedpush import messages
+from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
+from relay.unifiedpush.services import messages
 from tests.support.processes import wait_until
 from tests.test_unifiedpush_e2e import COMPONENT, lab  # noqa: F401  (the fixture)
 
@@ -107,14 +107,21 @@ def test_a_restarted_gateway_does_not_let_a_new_message_overtake_stored_ones(lab
     assert not UnifiedPushMessage.objects.exists()
 
 
-def test_a_phone_back_from_away_is_on_the_direct_path_once_its_stored_messages_are_out(lab):  # noqa: F811
+def offline_phone(lab):  # noqa: F811
+    """A phone gone offline (Prosody answers service-unavailable), held back ten minutes once
+    a push to it failed; and its endpoint."""
     lab.gateway.stop()
     lab.start_gateway(
         RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600", RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600"
     )
     phone = lab.phone()
     endpoint = phone.register_endpoint(COMPONENT[0])
-    phone.disconnect()  # away: Prosody answers service-unavailable, the phone is held back
+    phone.disconnect()
+    return phone, endpoint
+
+
+def test_a_phone_back_from_away_is_on_the_direct_path_once_its_stored_messages_are_out(lab):  # noqa: F811
+    phone, endpoint = offline_phone(lab)
     for n in range(3):
         status, headers = lab.post(endpoint.url, f"stored {n}".encode())
         assert status == 201 and message_id(headers) < DIRECT_IDS
@@ -140,13 +147,7 @@ def test_a_phone_back_from_away_is_on_the_direct_path_once_its_stored_messages_a
 
 
 def test_ttl_0_for_a_phone_that_is_away_expires_and_never_comes_later(lab):  # noqa: F811
-    lab.gateway.stop()
-    lab.start_gateway(
-        RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600", RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600"
-    )
-    phone = lab.phone()
-    endpoint = phone.register_endpoint(COMPONENT[0])
-    phone.disconnect()
+    phone, endpoint = offline_phone(lab)
     assert lab.post(endpoint.url, b"kept")[0] == 201
     wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists())
     status, headers = lab.post(endpoint.url, b"now or never", TTL="0")

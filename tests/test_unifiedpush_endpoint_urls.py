@@ -3,7 +3,7 @@
 Testers saved `http://пример.example` in the admin; every POST to its endpoints then failed
 after the message was handled (a non-ASCII `Location`), and a kept-alive connection hung.
 Now the host is stored in IDNA, what cannot be is refused with a clear error, and rows saved
-before are served with an ASCII Location (the real web process: test_unifiedpush_web_worker.py).
+before are served with an ASCII Location (the real web process: test_web_server.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from django.core.exceptions import ValidationError
 from django.test import Client
 from django.urls import reverse
 
-from relay import endpoint_urls, unifiedpush_http
-from relay.models import Component, Tenant, UnifiedPushMessage
+from relay import endpoint_urls
+from relay.models import Component, Tenant
 from relay.services.provisioning import load_tenants
-from relay.services.unifiedpush import messages
+from relay.unifiedpush import http as unifiedpush_http
+from relay.unifiedpush.models import UnifiedPushMessage
+from relay.unifiedpush.services import messages
 from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,
@@ -147,7 +149,7 @@ def test_rows_saved_before_the_check_get_ascii_endpoints_and_locations(push_clie
     endpoint = new_endpoint(component)
     assert endpoint.startswith(base + "/push/v4.local.")
     token = endpoint.rsplit("/", 1)[1]
-    # The resource (through the real web server: test_unifiedpush_web_worker.py).
+    # The resource (through the real web server: test_web_server.py).
     response = push_client.post(
         f"/push/{token}", data=b"hi", content_type="application/octet-stream"
     )

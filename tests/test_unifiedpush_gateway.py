@@ -19,15 +19,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from relay.models import (
-    App,
-    Component,
-    Tenant,
-    UnifiedPushDelivery,
-    UnifiedPushMessage,
-    UnifiedPushRevocation,
-)
-from relay.services.unifiedpush import UP_NS, messages
+from relay.models import App, Component, Tenant
+from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, UnifiedPushRevocation
+from relay.unifiedpush.services import UP_NS, messages
 from tests.support.component_server import FakeXmppServer, error_of
 from tests.support.processes import start_gateway, wait_until
 

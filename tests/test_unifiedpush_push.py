@@ -18,14 +18,9 @@ from django.conf import settings
 from django.test import override_settings
 from django.utils import timezone
 
-from relay.models import (
-    Component,
-    Tenant,
-    UnifiedPushDelivery,
-    UnifiedPushMessage,
-    UnifiedPushRevocation,
-)
-from relay.services.unifiedpush import messages, registration, store
+from relay.models import Component, Tenant
+from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, UnifiedPushRevocation
+from relay.unifiedpush.services import messages, registration, store
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -299,8 +294,8 @@ def test_other_methods_are_405(push_client, up_component):
 
 
 def test_the_system_check_names_bad_keys_and_messages_no_key_opens(push_client, up_component):
-    from relay.checks import unifiedpush_keys_check
-    from relay.services.unifiedpush.keys import new_master_key
+    from relay.unifiedpush.checks import unifiedpush_keys_check
+    from relay.unifiedpush.services.keys import new_master_key
 
     with override_settings(UNIFIEDPUSH_KEYS=["tooshort"]):
         assert [m.id for m in unifiedpush_keys_check()] == ["relay.E011"]
@@ -370,9 +365,9 @@ def test_the_matrix_gateway_refuses_what_is_not_a_notification(push_client, payl
 
 
 def test_an_opened_token_is_reused_but_still_expires_and_needs_its_key(push_client, up_component):
-    """The web process keeps tokens it opened (relay/services/unifiedpush/messages.py): a
+    """The web process keeps tokens it opened (relay/unifiedpush/services/messages.py): a
     cached one still expires on time, and one whose key left the list no longer opens."""
-    from relay.services.unifiedpush.keys import new_master_key
+    from relay.unifiedpush.services.keys import new_master_key
 
     registered = register(up_component, now=time.time() - 7 * 86400 + 60)  # a minute left
     token = registered.endpoint.rsplit("/", 1)[1]

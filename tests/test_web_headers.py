@@ -14,7 +14,7 @@ from django.test import override_settings
 
 from pushsite.security import security_headers
 from relay.models import Component, Tenant
-from relay.services.unifiedpush import messages
+from relay.unifiedpush.services import messages
 from tests.support.endpoints import new_endpoint
 from tests.support.processes import start_web
 from tests.support.raw_http import Answer, exchange, post, request

@@ -22,7 +22,7 @@ from django.utils.log import log_response
 
 import relay.logging as relay_logging
 from relay.models import Component, Tenant
-from relay.services.unifiedpush import messages
+from relay.unifiedpush.services import messages
 from tests.support.endpoints import new_endpoint
 from tests.support.processes import ServiceProcess, start_dev_server, start_web, wait_until
 

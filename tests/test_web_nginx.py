@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from relay.models import Component, Tenant
-from relay.services.unifiedpush import messages
+from relay.unifiedpush.services import messages
 from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
 from tests.support.ports import free_port, port_accepts

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from pushsite import server
-from relay.models import Component, Tenant, UnifiedPushMessage
-from relay.services.unifiedpush import messages
+from relay.models import Component, Tenant
+from relay.unifiedpush.models import UnifiedPushMessage
+from relay.unifiedpush.services import messages
 from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
 from tests.support.processes import ServiceProcess, start_web, wait_until

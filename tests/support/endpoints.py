@@ -7,7 +7,7 @@ import os
 import time
 
 from relay.models import Component
-from relay.services.unifiedpush import registration
+from relay.unifiedpush.services import registration
 
 
 def new_endpoint(component: Component, jid: str = "someone@endpoints.example/phone") -> str:

@@ -15,7 +15,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.core import signals
 from django.db import close_old_connections
 
-from relay import unifiedpush_http
+from relay.unifiedpush import http as unifiedpush_http
 
 
 class PushResponse:

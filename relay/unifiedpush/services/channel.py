@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from relay.services.unifiedpush.store import NewMessage
+from relay.unifiedpush.services.store import NewMessage
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class _AsyncClient(asyncio.Protocol):
 
 
 class AsyncChannels:
-    """The direct path for a web process that runs an event loop (pushsite/web_worker.py):
+    """The direct path for a web process that runs an event loop (pushsite/server.py):
     one connection per gateway for all its POSTs, instead of one per thread."""
 
     def __init__(self, *, window: float) -> None:

@@ -30,12 +30,13 @@ from datetime import UTC, datetime, timedelta
 from django.db import DatabaseError
 
 from relay import conf, endpoint_urls
-from relay.models import Component, UnifiedPushUrgency
+from relay.models import Component
 from relay.services import link_leases
-from relay.services.unifiedpush import channel, store, tokens
-from relay.services.unifiedpush.keys import KeyRing, keyring
-from relay.services.unifiedpush.limits import TokenBuckets
-from relay.services.unifiedpush.registration import PUSH_PATH
+from relay.unifiedpush.models import UnifiedPushUrgency
+from relay.unifiedpush.services import channel, store, tokens
+from relay.unifiedpush.services.keys import KeyRing, keyring
+from relay.unifiedpush.services.limits import TokenBuckets
+from relay.unifiedpush.services.registration import PUSH_PATH
 
 MAX_BODY_BYTES = 4096
 POLICY_SECONDS = 5.0  # how long a web process trusts what it read about a component

@@ -15,7 +15,7 @@ import enum
 import random
 from datetime import datetime, timedelta
 
-from relay.services.unifiedpush.store import StoredMessage
+from relay.unifiedpush.services.store import StoredMessage
 
 REVOKING_CONDITIONS = frozenset({"item-not-found", "feature-not-implemented"})
 # A fresh message is sent once even if its TTL (0, say) has passed on the way to the gateway:

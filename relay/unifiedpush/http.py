@@ -1,7 +1,7 @@
 """The UnifiedPush HTTP resource, its one implementation: the push resource (RFC 8030 / the
 UnifiedPush server spec: POST and GET on `/push/<token>`, DELETE on `/push/message/<ref>`) and
 the Matrix push gateway (`/_matrix/push/v1/notify`). The rules live in
-`relay.services.unifiedpush`.
+`relay.unifiedpush.services`.
 
 Served on the web server's event loop (pushsite/server.py), not by Django: a POST for a phone
 that is online waits for the phone's answer (the direct path), and on the loop that wait
@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 from django.core import signals
 
 from relay import conf
-from relay.services.unifiedpush import matrix, messages
-from relay.services.unifiedpush.channel import AsyncChannels
-from relay.services.unifiedpush.messages import MAX_BODY_BYTES, PushRefused
+from relay.unifiedpush.services import matrix, messages
+from relay.unifiedpush.services.channel import AsyncChannels
+from relay.unifiedpush.services.messages import MAX_BODY_BYTES, PushRefused
 
 log = logging.getLogger(__name__)
 

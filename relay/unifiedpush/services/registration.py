@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from relay import endpoint_urls
 from relay.models import Component
 from relay.services.publishing import domain_allowed
-from relay.services.unifiedpush import tokens
+from relay.unifiedpush.services import tokens
 
 log = logging.getLogger(__name__)
 
