@@ -386,6 +386,7 @@ def test_the_compose_file_wires_databases_healthchecks_and_beat_once(tmp_path):
     assert environment["CACHE_URL"].startswith("redis://redis:6379/")
     assert environment["CACHE_URL"] != environment["CELERY_BROKER_URL"]
     assert services["uwpx"]["environment"]["UWPX_LISTEN_ADDRESS"] == "0.0.0.0"
+    assert environment["WEB_BIND"] == "0.0.0.0:8000"  # inside the container: all interfaces
 
     # The web process has the image's healthcheck, the gateway and the worker probe their own
     # listener (reachable by Prometheus on the network); beat is one, forever.
