@@ -6,7 +6,6 @@ nginx's access log."""
 
 from __future__ import annotations
 
-import datetime
 import http.client
 import os
 import shutil
@@ -17,10 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from relay.models import Component, Tenant
 from relay.unifiedpush.services import messages
@@ -28,6 +23,7 @@ from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
 from tests.support.ports import free_port, port_accepts
 from tests.support.processes import ROOT, ServiceProcess, start_web, wait_until
+from tests.test_uwpx_listener import write_self_signed
 
 HOST = "push.example.org"
 CONFIG = ROOT / "deploy" / "nginx" / "push-relay.conf"
@@ -42,36 +38,9 @@ class Proxied:
     log: Path  # nginx's access log
 
 
-def self_signed(folder: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(HOST)]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = folder / "fullchain.pem", folder / "privkey.pem"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
 def documented_config(folder: Path, web_port: int, port: int) -> str:
     """The documented file with this test's addresses and paths, each replaced exactly once."""
-    cert_path, key_path = self_signed(folder)
+    cert_path, key_path = write_self_signed(folder, HOST)
     text = CONFIG.read_text()
     assert text in (ROOT / "docs" / "web.md").read_text(), "docs/web.md shows another config"
     for old, new in (
@@ -164,4 +133,4 @@ def test_through_the_documented_nginx_on_one_kept_alive_upstream_connection(ngin
     assert len(requests) >= 20 and all("HTTP/1.1" in line for line in requests), requests
     wait_until(lambda: access_log.exists() and access_log.read_text().count("\n") >= 20)
     logged = access_log.read_text()
-    assert token not in logged and '"POST /push/… HTTP/1.1" 201' in logged, logged
+    assert token not in logged and '"POST /push/... HTTP/1.1" 201' in logged, logged
