@@ -473,13 +473,8 @@ def main() -> None:
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
-    from relay.models import (
-        Component,
-        ComponentLink,
-        Tenant,
-        UnifiedPushDelivery,
-        UnifiedPushMessage,
-    )
+    from relay.models import Component, ComponentLink, Tenant
+    from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
 
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"up-bench-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
