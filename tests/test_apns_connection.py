@@ -11,7 +11,7 @@ import asyncio
 import secrets
 import ssl
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -21,25 +21,28 @@ from aioapns.connection import APNsTLSClientProtocol, JWTAuthorizationHeaderProv
 from aioapns.exceptions import ConnectionClosed
 
 from relay.providers import apns_connection
-from tests.fakes.apns import FakeApns, make_p8_key
+from tests.fakes.apns import FakeApns
+from tests.support.provider_fakes import APNS_TOPIC, start_apns
 
-TOPIC = "org.example.app"
-
-
-@pytest.fixture(scope="module")
-def p8() -> tuple[str, Any]:
-    return make_p8_key()
+TOPIC = APNS_TOPIC
 
 
 @pytest.fixture(scope="module")
-def fake(p8):
-    with FakeApns(topic=TOPIC, public_key=p8[1]) as fake:
-        yield fake
+def apns() -> Iterator[tuple[FakeApns, str]]:
+    fake, key_pem = start_apns()
+    yield fake, key_pem
+    fake.stop()
 
 
-@pytest.fixture(autouse=True)
-def _fresh_fake(fake):
-    fake.reset()
+@pytest.fixture
+def fake(apns) -> FakeApns:
+    apns[0].reset()
+    return apns[0]
+
+
+@pytest.fixture
+def key_pem(apns) -> str:
+    return apns[1]
 
 
 def new_client(fake: FakeApns, key_pem: str) -> APNs:
@@ -73,13 +76,13 @@ async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_the_pool_dials_its_protocol_class_and_sends_its_host(fake, p8):
+def test_the_pool_dials_its_protocol_class_and_sends_its_host(fake, key_pem):
     """`point_at`: the pool connects to protocol_class.APNS_SERVER:APNS_PORT, sends APNS_SERVER
     as the host header, and `pool.close()` closes what `pool.acquire()` opened."""
     token = secrets.token_hex(32)
 
     async def scenario() -> tuple[NotificationResult, bool]:
-        client = new_client(fake, p8[0])
+        client = new_client(fake, key_pem)
         client.pool.protocol_class = protocol(fake)
         connection = await client.pool.acquire()
         result = await client.send_notification(request(token))
@@ -95,7 +98,7 @@ def test_the_pool_dials_its_protocol_class_and_sends_its_host(fake, p8):
     assert seen.headers["host"] == fake.host
 
 
-def test_the_protocol_hooks_and_state_the_adapter_uses(fake, p8):
+def test_the_protocol_hooks_and_state_the_adapter_uses(fake, key_pem):
     """The constructor's arguments, the hooks `_EndpointProtocol` overrides and the state it
     reads are the ones aioapns calls and fills; the leak and the error answer it fixes are
     still there."""
@@ -133,7 +136,7 @@ def test_the_protocol_hooks_and_state_the_adapter_uses(fake, p8):
     fake.respond(dead.device_token, status=410, reason="Unregistered")
 
     async def scenario() -> tuple[Any, ...]:
-        client = new_client(fake, p8[0])
+        client = new_client(fake, key_pem)
         client.pool.protocol_class = protocol(fake, Recording)
         connection = await client.pool.acquire()
         again = await client.pool.acquire()
@@ -150,7 +153,7 @@ def test_the_protocol_hooks_and_state_the_adapter_uses(fake, p8):
     assert init[1] == TOPIC and init[3] is not None
     provider = init[4]
     assert isinstance(provider, JWTAuthorizationHeaderProvider)
-    assert (provider.key, provider.key_id, provider.team_id) == (p8[0], fake.key_id, fake.team_id)
+    assert (provider.key, provider.key_id, provider.team_id) == (key_pem, fake.key_id, fake.team_id)
     assert again is connection and ("is_busy",) in calls
     assert isinstance(transport, asyncio.Transport)
     assert ("send", delivered.notification_id) in calls
@@ -170,11 +173,11 @@ def test_the_protocol_hooks_and_state_the_adapter_uses(fake, p8):
     assert (bare.status, bare.description) == ("400", None)
 
 
-def test_inactivity_time_is_what_closes_an_idle_connection(fake, p8):
+def test_inactivity_time_is_what_closes_an_idle_connection(fake, key_pem):
     """`_EndpointProtocol.INACTIVITY_TIME` (60 s instead of 10 s) is the name aioapns reads."""
 
     async def scenario() -> None:
-        client = new_client(fake, p8[0])
+        client = new_client(fake, key_pem)
         client.pool.protocol_class = protocol(fake, INACTIVITY_TIME=0.1)
         await client.send_notification(request(secrets.token_hex(32)))
         await until(lambda: fake.open_connections == 0)
@@ -184,13 +187,13 @@ def test_inactivity_time_is_what_closes_an_idle_connection(fake, p8):
     assert len(fake.requests) == 1
 
 
-def test_a_connection_dropped_under_a_request_raises_connection_closed(fake, p8):
+def test_a_connection_dropped_under_a_request_raises_connection_closed(fake, key_pem):
     """`send` retries once on ConnectionClosed: what aioapns raises when the line drops."""
     token = secrets.token_hex(32)
     fake.respond(token, close_connection=True)
 
     async def scenario() -> BaseException | None:
-        client = new_client(fake, p8[0])
+        client = new_client(fake, key_pem)
         client.pool.protocol_class = protocol(fake)
         connection = await client.pool.acquire()
         try:
@@ -204,12 +207,12 @@ def test_a_connection_dropped_under_a_request_raises_connection_closed(fake, p8)
     assert isinstance(asyncio.run(scenario()), ConnectionClosed)
 
 
-def test_the_adapter_sends_through_the_fixed_protocol(fake, p8):
+def test_the_adapter_sends_through_the_fixed_protocol(fake, key_pem):
     """`apns_connection.point_at` and `send` together, as the provider uses them."""
     token = secrets.token_hex(32)
 
     async def scenario() -> NotificationResult:
-        client = new_client(fake, p8[0])
+        client = new_client(fake, key_pem)
         apns_connection.point_at(client, fake.host, fake.port)
         try:
             return await apns_connection.send(client, request(token), 5.0)
