@@ -14,7 +14,8 @@ over HTTP/1.1 with OAuth).
 - Client (`--mode client`): the provider alone, built in this process and sent to through
   `send_each` in batches as a worker's delivery does (BATCH_SLOTS at a time, --concurrency
   threads): sends per second and this process's CPU per send, which is the client library's
-  cost with nothing else around it.
+  cost with nothing else around it. `--fcm-latency 0.03` has the fake FCM answer 30 ms late, as
+  Google would: then the provider's threads, not the CPU, bound the rate.
 - Mixed: publishes over a component link (bench/component_server.py) through the gateway,
   the broker and the workers, registrations spread over the three providers; the figure is
   publishes in to sends out at the fakes.
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,13 @@ class Fakes:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{service}: {self.count(service)} of {count} sends")
             time.sleep(0.05)
+
+    def fcm_control(self, action: str, body: dict[str, Any]) -> None:
+        """Script the fake FCM (`respond`, `reset`) over its control endpoint."""
+        request = urllib.request.Request(
+            f"{self.fcm_url}/_fake/{action}", data=json.dumps(body).encode(), method="POST"
+        )
+        urllib.request.urlopen(request, timeout=30).read()
 
     def stop(self) -> None:
         for process in self.processes:
@@ -254,6 +263,9 @@ def bench_client(service: str, fakes: Fakes, args: argparse.Namespace) -> dict[s
 
     provider = client_for(service, fakes)
     warm, measured = batches(WARMUP * 4, f"cw{service}"), batches(args.sends, f"c{service}")
+    latency = args.fcm_latency if service == "fcm" else 0.0
+    if latency:  # every send answered that much later, as from Google
+        fakes.fcm_control("respond", {"token": None, "delay": latency})
     try:
         with ThreadPoolExecutor(args.concurrency) as pool:
             list(pool.map(partial(send_each, provider), warm))
@@ -262,6 +274,8 @@ def bench_client(service: str, fakes: Fakes, args: argparse.Namespace) -> dict[s
             cpu, elapsed = time.process_time() - cpu, time.perf_counter() - started
     finally:
         provider.close()
+        if latency:
+            fakes.fcm_control("reset", {})
     delivered = sum(1 for r in results if r.outcome == Outcome.DELIVERED)
     return {
         "sends": len(results),
@@ -270,6 +284,7 @@ def bench_client(service: str, fakes: Fakes, args: argparse.Namespace) -> dict[s
         "client_cpu_ms_per_send": round(cpu * 1000 / len(results), 3),
         "threads": args.concurrency,
         "batch": BATCH_SLOTS,
+        "answer_delay_seconds": latency,
     }
 
 
@@ -361,6 +376,12 @@ def main() -> None:
     parser.add_argument("--gateway-threads", type=int, default=16)
     parser.add_argument("--mode", choices=["providers", "client", "mixed", "all"], default="all")
     parser.add_argument("--providers", default=",".join(SERVICES))
+    parser.add_argument(
+        "--fcm-latency",
+        type=float,
+        default=0.0,
+        help="client mode: seconds the fake FCM holds each answer (Google's round trip)",
+    )
     args = parser.parse_args()
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
