@@ -14,12 +14,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import psycopg
+
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"  # Debian: libpostgresql-jdbc-java
 JDBC_DRIVER = "org.postgresql.Driver"
 
 
 class ConfigError(ValueError):
     """A setting the job cannot run with; the message says which and why."""
+
+
+class Unreachable(ConfigError):
+    """A database the job cannot connect to: the message says which (setting, host, port,
+    database name, never the password) and why, in one line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +38,7 @@ class Database:
     name: str
     user: str
     password: str = field(repr=False, default="")
+    setting: str = field(compare=False, default="")  # where it was configured, for messages
 
     @classmethod
     def from_url(cls, url: str, *, setting: str) -> Database:
@@ -49,6 +57,7 @@ class Database:
             name=unquote(name),
             user=unquote(parts.username or "postgres"),
             password=unquote(parts.password or ""),
+            setting=setting,
         )
 
     @property
@@ -76,6 +85,23 @@ class Database:
     def describe(self) -> str:
         """For progress lines: where, never the password."""
         return f"{self.user}@{self.host}:{self.port}/{self.name}"
+
+    def unreachable(self, reason: str) -> Unreachable:
+        """The one line that says this database could not be reached, and why."""
+        if self.password:
+            reason = reason.replace(self.password, "***")
+        where = f"{self.host}:{self.port}, database {self.name}"
+        return Unreachable(f"cannot reach {self.setting or 'the database'} ({where}): {reason}")
+
+    def connect(self, *, timeout: int = 10) -> psycopg.Connection:
+        """A libpq connection, or Unreachable (libpq's reason, its hint lines left out)."""
+        try:
+            return psycopg.connect(**self.libpq, connect_timeout=timeout)
+        except psycopg.OperationalError as error:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            # "connection failed: connection to server at "h", port p failed: <reason>"
+            reason = lines[0].rsplit(" failed: ", 1)[-1] if lines else type(error).__name__
+            raise self.unreachable(reason) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,12 +7,13 @@ One run, for the days --since..--until (UTC):
 
 1. asks the replica for each day's fingerprint (rows, id range and a checksum per source,
    one aggregate statement) and compares it with the fingerprints stored with the outputs:
-   a day already reported and unchanged is not read again;
+   a day already reported and unchanged is not read again, and a day the retention pruned
+   (all or part of its records) is never recomputed: its stored report stays as it is;
 2. reads the changed days' rows over JDBC, a partition per day (big days cut into id
    ranges), filters and column choice pushed down to PostgreSQL;
 3. computes usage, latency, registrations, publishing domains and error codes, and replaces
    those days in the Parquet outputs (so a re-run is idempotent);
-4. recomputes the anomalies of the range from the Parquet history (7 days back);
+4. recomputes the anomalies of those days from the Parquet history (7 days back);
 5. loads the daily aggregates into the primary (one transaction, the days replaced);
 6. writes the HTML report and the monthly CSV exports, then the new fingerprints.
 """
@@ -37,15 +38,20 @@ if __package__ in (None, ""):
     sys.path[:] = [p for p in sys.path if not p or str(Path(p).resolve()) != _here]
     sys.path.insert(0, str(Path(_here).parent))
 
+from py4j.protocol import Py4JJavaError
 from pyspark import StorageLevel
+from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 
 from analytics import exports, report_page, reports, sources, store, writer
-from analytics.config import ConfigError, JobConfig, from_args
+from analytics.config import ConfigError, Database, JobConfig, from_args
 
 # Part of every fingerprint: a change to how reports are computed invalidates stored days.
 JOB_VERSION = "1"
+
+# Seconds to wait for each database before Spark starts (libpq's minimum is 2).
+CONNECT_CHECK_TIMEOUT = 5
 
 Progress = Callable[[str], None]
 
@@ -54,6 +60,7 @@ Progress = Callable[[str], None]
 class RunSummary:
     days: list[date]
     changed: list[date]
+    kept: list[date] = field(default_factory=list)  # pruned: the stored report stays
     rows_read: int = 0
     partitions: int = 0
     seconds: float = 0.0
@@ -129,19 +136,28 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
     say(f"days {config.since}..{config.until} from {config.source.describe()}")
     tenants, apps = sources.names(spark, config.source)
     stats = sources.day_stats(spark, config.source, config.since, config.until)
+    pruned_through = sources.pruned_through(spark, config.source)
     current = {day: fingerprint(stats.get(day, {})) for day in days}
     stored = store.read_fingerprints(spark, config.output)
-    changed = [day for day in days if config.force or stored.get(day) != current[day]]
-    summary = RunSummary(days=days, changed=changed)
+    # What is left of a pruned day's records would replace its report (bills are made from
+    # it) with a smaller one: such a day keeps its report, --force or not.
+    kept = [day for day in days if pruned_through is not None and day <= pruned_through]
+    open_days = [day for day in days if day not in kept]
+    changed = [day for day in open_days if config.force or stored.get(day) != current[day]]
+    summary = RunSummary(days=days, changed=changed, kept=kept)
+    unchanged = len(open_days) - len(changed)
     say(
         f"{len(days)} day(s), {len(changed)} to compute"
         + (f": {', '.join(str(d) for d in changed)}" if 0 < len(changed) <= 10 else "")
-        + (
-            f"; {len(days) - len(changed)} unchanged, not read again"
-            if len(changed) < len(days)
-            else ""
-        )
+        + (f"; {unchanged} unchanged, not read again" if unchanged else "")
     )
+    if kept:
+        unreported = [day for day in kept if day not in stored]
+        say(
+            f"{len(kept)} day(s) through {pruned_through} kept as reported: the retention "
+            "pruned their records, so they are never recomputed"
+            + (f" ({len(unreported)} never reported: left without a report)" if unreported else "")
+        )
     if not changed:
         summary.seconds = time.monotonic() - started
         say("nothing changed")
@@ -150,7 +166,7 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
     tenant_names, app_names = _names_frames(spark, tenants, apps)
     _compute_days(spark, config, changed, stats, summary, say, tenant_names, app_names)
     say("anomalies against the previous 7 days")
-    anomaly_rows = _anomalies(spark, config, set(stored) | set(changed), tenants, apps)
+    anomaly_rows = _anomalies(spark, config, open_days, set(stored) | set(changed), tenants, apps)
 
     outputs = _collect_outputs(spark, config, changed)
     if config.primary is not None:
@@ -162,11 +178,11 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
                 ("relay_reportregistrations", changed, outputs["registrations"]),
                 ("relay_reportdomain", changed, outputs["top_domains"]),
                 ("relay_reporterrorcode", changed, outputs["error_codes"]),
-                ("relay_reportanomaly", days, anomaly_rows),
+                ("relay_reportanomaly", open_days, anomaly_rows),
             ],
         )
     say("HTML report and monthly exports")
-    summary.files = _write_files(spark, config, anomaly_rows)
+    summary.files = _write_files(spark, config)
     store.write_fingerprints(spark, config.output, {**stored, **{d: current[d] for d in changed}})
     summary.seconds = time.monotonic() - started
     rate = summary.rows_read / summary.seconds if summary.seconds else 0.0
@@ -241,11 +257,12 @@ def _compute_days(
 def _anomalies(
     spark: SparkSession,
     config: JobConfig,
+    days: list[date],
     reported: set[date],
     tenants: dict[int, str],
     apps: dict[int, str],
 ) -> list[dict[str, Any]]:
-    """The range's anomalies from the Parquet history (7 days back), replaced in Parquet."""
+    """The anomalies of `days` from the Parquet history (7 days back), replaced in Parquet."""
     first = config.since - timedelta(days=7)
     usage_history = store.read_days(
         spark, config.output, "usage", first, config.until, reports.USAGE_SCHEMA
@@ -261,7 +278,7 @@ def _anomalies(
     )
     # Only days whose seven previous days are all reported have a baseline to compare with.
     comparable = [
-        day for day in config.days if all(day - timedelta(days=k) in reported for k in range(1, 8))
+        day for day in days if all(day - timedelta(days=k) in reported for k in range(1, 8))
     ]
     anomaly_rows = reports.anomalies(
         reports.baselines(usage_history, domain_history, comparable), config.thresholds
@@ -274,11 +291,8 @@ def _anomalies(
         spark,
         config.output,
         "anomalies",
-        spark.createDataFrame(
-            anomaly_rows,
-            reports.ANOMALY_SCHEMA + ", tenant_name string, app_name string, detail string",
-        ),
-        config.days,
+        spark.createDataFrame(anomaly_rows, NAMED_ANOMALIES),
+        days,
     )
     return anomaly_rows
 
@@ -314,6 +328,7 @@ def _collect_outputs(
 
 NAMED_USAGE = reports.USAGE_SCHEMA + ", tenant_name string, app_name string"
 NAMED_REGISTRATIONS = reports.REGISTRATION_SCHEMA + ", tenant_name string, app_name string"
+NAMED_ANOMALIES = reports.ANOMALY_SCHEMA + ", tenant_name string, app_name string, detail string"
 DOMAIN_SCHEMA = (
     "day date, tenant_id long, publishing_domain string, publishes_received long, "
     "pushes_sent long, failed long, failure_rate double, tenant_name string"
@@ -324,9 +339,7 @@ ERROR_SCHEMA = (
 )
 
 
-def _write_files(
-    spark: SparkSession, config: JobConfig, anomaly_rows: list[dict[str, Any]]
-) -> list[str]:
+def _write_files(spark: SparkSession, config: JobConfig) -> list[str]:
     """The HTML report of the range and the CSV exports of every month it touches."""
     config.export_dir.mkdir(parents=True, exist_ok=True)
     months = exports.months_of(config.days)
@@ -350,7 +363,12 @@ def _write_files(
         error_rows=_rows(
             _read(spark, config, "error_codes", config.since, config.until, ERROR_SCHEMA)
         ),
-        anomaly_rows=anomaly_rows,
+        # The whole range's, kept days' included (they are not recomputed).
+        anomaly_rows=_rows(
+            _read(spark, config, "anomalies", config.since, config.until, NAMED_ANOMALIES).orderBy(
+                "day", "scope", "tenant_name", "app_name", "publishing_domain", "metric"
+            )
+        ),
     )
     report = config.export_dir / f"report-{config.since}-{config.until}.html"
     report.write_text(page, encoding="utf-8")
@@ -363,17 +381,66 @@ def _write_files(
     return files
 
 
+def connection_failure(error: BaseException) -> str | None:
+    """Why Spark's JDBC connection failed, when that is what `error` is; else None.
+
+    At analysis (the first read of a table) Spark says FAILED_JDBC.CONNECTION; inside a
+    task, the driver's PSQLException arrives in the Java causes, with an SQL state of class
+    08 (connection exception) when connecting failed or the connection was lost."""
+    if isinstance(error, PySparkException):
+        condition = error.getCondition() or ""
+        return "JDBC connection failed" if condition.startswith("FAILED_JDBC.CONNECTION") else None
+    if isinstance(error, Py4JJavaError):
+        cause = error.java_exception
+        for _ in range(20):  # a cause chain is short; never follow a cycle
+            if cause is None:
+                break
+            if cause.getClass().getName() == "org.postgresql.util.PSQLException":
+                if not str(cause.getSQLState() or "").startswith("08"):
+                    return None
+                return str(cause.getMessage()).split(". ")[0]
+            cause = cause.getCause()
+    return None
+
+
+def run_reporting_unreachable(
+    spark: SparkSession, config: JobConfig, progress: Progress = print
+) -> RunSummary:
+    """`run`, with a JDBC connection failing inside Spark raised as the one-line Unreachable
+    (Spark reads the replica only; the primary is loaded over libpq, which says so itself)."""
+    try:
+        return run(spark, config, progress)
+    except (PySparkException, Py4JJavaError) as error:
+        reason = connection_failure(error)
+        if reason is None:
+            raise
+        raise config.source.unreachable(reason) from None
+
+
+def databases(config: JobConfig) -> list[Database]:
+    """The databases a run connects to: the replica, and the primary unless it is the same."""
+    if config.primary is None or config.primary == config.source:
+        return [config.source]
+    return [config.source, config.primary]
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = from_args(argv)
-    except ConfigError as error:
-        print(f"analytics.jobs: {error}", file=sys.stderr)
+        # Before Spark (seconds to start, and its own longer timeouts): a database that
+        # cannot be reached is said in one line, at once.
+        for db in databases(config):
+            db.connect(timeout=CONNECT_CHECK_TIMEOUT).close()
+        spark = session(config)
+        try:
+            summary = run_reporting_unreachable(
+                spark, config, progress=lambda line: print(line, flush=True)
+            )
+        finally:
+            spark.stop()
+    except ConfigError as error:  # a setting, or a database it cannot reach: one line
+        print(f"analytics.jobs: {error}", file=sys.stderr, flush=True)
         return 2
-    spark = session(config)
-    try:
-        summary = run(spark, config, progress=lambda line: print(line, flush=True))
-    finally:
-        spark.stop()
     for path in summary.files:
         print(f"wrote {path}", flush=True)
     return 0

@@ -237,6 +237,30 @@ def day_stats(
     return stats
 
 
+# Written by the relay's retention (relay.report_models.RetentionCut) before it deletes rows.
+RETENTION_CUTS = "relay_retentioncut"
+
+
+def pruned_through_sql(sources: Iterable[Source] = SOURCES) -> str:
+    """The last day each source's retention reached into: the day of the instant before the
+    cut (a cut at midnight leaves that day whole)."""
+    tables = ", ".join(f"'{source.table}'" for source in sources)
+    return (
+        "SELECT table_name, CAST(((pruned_before - interval '1 microsecond') "
+        "AT TIME ZONE 'UTC') AS date) AS last_day "
+        f"FROM {RETENTION_CUTS} WHERE table_name IN ({tables})"
+    )
+
+
+def pruned_through(spark: SparkSession, db: Database) -> date | None:
+    """The last day some of whose records the retention deleted (None: nothing pruned).
+
+    Read after `day_stats`: the relay commits a cut before it deletes the rows, so every row
+    missing from those fingerprints is covered by a cut this read sees."""
+    days = [row["last_day"] for row in jdbc_query(spark, db, pruned_through_sql()).collect()]
+    return max(days, default=None)
+
+
 def predicates(
     source: Source, days: Iterable[date], stats: dict[date, dict[str, DayStats]], per: int
 ) -> list[str]:

@@ -11,8 +11,6 @@ from collections.abc import Iterable, Sequence
 from datetime import date
 from typing import Any
 
-import psycopg
-
 from analytics.config import Database
 from analytics.schema import COUNT_COLUMNS
 
@@ -92,7 +90,7 @@ def load(
     """For each (table, days, rows): delete the table's rows of those days, insert `rows`.
     All in one transaction. Returns the rows inserted per table."""
     inserted: dict[str, int] = {}
-    with psycopg.connect(**db.libpq, connect_timeout=10) as conn, conn.cursor() as cursor:
+    with db.connect() as conn, conn.cursor() as cursor:
         for table, days, rows in replacements:
             columns = TABLES[table]
             day_list = sorted(set(days))

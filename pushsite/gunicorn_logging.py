@@ -1,24 +1,25 @@
-"""gunicorn's logger without UnifiedPush capabilities in the access log.
+"""gunicorn's logger without UnifiedPush capabilities in its lines.
 
 An endpoint URL (`/push/<token>`) lets whoever holds it push to a phone, and a message
-resource (`/push/message/<reference>`) lets them withdraw a message: the access log keeps the
-path's shape and drops those parts. pushsite/gunicorn_conf.py names it (`logger_class`).
+resource (`/push/message/<reference>`) lets them withdraw a message. gunicorn writes request
+paths in the access log and in its error log ("Error handling request /push/…", "Invalid
+request from …"): both loggers get the filter Django's loggers have
+(`relay.logging.MaskSecrets`), so every line keeps the path's shape and drops those parts.
+pushsite/gunicorn_conf.py names it (`logger_class`).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from gunicorn.glogging import Logger as GunicornLogger
 
-SECRET_PATH = re.compile(r"(/push/(?:message/)?)[^\s/?\"]+")
+from relay.logging import MaskSecrets
 
 
 class Logger(GunicornLogger):
-    def atoms(self, resp: Any, req: Any, environ: dict[str, Any], request_time: Any) -> dict:
-        atoms = super().atoms(resp, req, environ, request_time)
-        for key, value in atoms.items():
-            if isinstance(value, str) and "/push/" in value:
-                atoms[key] = SECRET_PATH.sub(r"\1…", value)
-        return atoms
+    def setup(self, cfg: Any) -> None:
+        super().setup(cfg)  # run again on a configuration reload: add the filter once
+        for logger in (self.error_log, self.access_log):
+            if not any(isinstance(each, MaskSecrets) for each in logger.filters):
+                logger.addFilter(MaskSecrets())

@@ -118,6 +118,9 @@ INSTALLED_APPS = [
     "ninja",  # serves the API docs' assets itself (no CDN)
     "axes",  # admin login lockout (relay/services/login_throttle.py)
     "relay",
+    # Feature apps: each plugs into the core (tenancy, the gateway) from its AppConfig.
+    "relay.unifiedpush",
+    "relay.windows",
     "xmppgateway",
 ]
 
@@ -466,7 +469,7 @@ RELAY.update(
     }
 )
 
-# --- UnifiedPush (relay/services/unifiedpush/, README "UnifiedPush").
+# --- UnifiedPush (relay/unifiedpush/services/, README "UnifiedPush").
 RELAY.update(
     {
         # TTL granted at most, and assumed when a POST sends none (seconds).
@@ -592,9 +595,19 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "relay.logging.JsonFormatter"}},
+    "filters": {"mask_secrets": {"()": "relay.logging.MaskSecrets"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
+        # Django's own handlers (a plain console when DEBUG, mail to ADMINS, runserver's
+        # request lines) are replaced by ours: every line is JSON, and none names a token.
+        # INFO as Django sets it: below, SQL with its parameters (secrets) would be logged.
+        "django": {"handlers": [], "level": "INFO"},
+        # Request lines and "Not Found: <path>", "Method Not Allowed: <path>", "Internal
+        # Server Error: <path>": UnifiedPush tokens and message references masked
+        # (relay.logging.mask_secrets) before any handler sees them.
+        "django.request": {"filters": ["mask_secrets"]},
+        "django.server": {"filters": ["mask_secrets"], "level": "INFO", "propagate": True},
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
         "celery": {"level": LOG_LEVEL},

@@ -1,8 +1,8 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
-from relay import unifiedpush_views, views
-from relay.api.views import api as api_v1
+from relay import views
+from relay.windows.api.views import api as api_v1
 
 urlpatterns = [
     path("admin/", admin.site.urls),
@@ -11,8 +11,6 @@ urlpatterns = [
     path("metrics", views.metrics_view, name="metrics"),
     # /api/v1/openapi.json is the schema, /api/v1/docs the interactive docs.
     path("api/v1/", api_v1.urls),
-    # UnifiedPush: endpoints, message resources and the Matrix push gateway (README).
-    path("push/message/<str:reference>", unifiedpush_views.message_resource, name="up-message"),
-    path("push/<str:token>", unifiedpush_views.push_resource, name="up-endpoint"),
-    path("_matrix/push/v1/notify", unifiedpush_views.matrix_notify, name="up-matrix"),
+    # UnifiedPush: endpoints, message resources and the Matrix push gateway.
+    path("", include("relay.unifiedpush.urls")),
 ]

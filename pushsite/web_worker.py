@@ -5,7 +5,7 @@ parser, the WSGI environ, its response object) cost as much CPU as the rest of t
 (py-spy, bench/unifiedpush.py). This worker is gunicorn's `gthread` worker (same threads,
 keep-alive, timeouts, graceful stop) whose request handler first looks at the bytes: a plain
 `POST /push/v4.local.… HTTP/1.1` with a Content-Length and nothing unusual is answered here
-by `relay.unifiedpush_http.post` (the function the WSGI fast path and the Django view call,
+by `relay.unifiedpush.http.post` (the function the WSGI fast path and the Django view call,
 so the answers cannot differ), counted for /metrics and written to the access log like any
 request. Everything else (other paths and methods, HTTP/1.0, chunked or oversized bodies,
 `Expect`, odd header syntax, TLS, HTTP/2) is handed back to gunicorn untouched, with the
@@ -31,12 +31,12 @@ from typing import Any
 from gunicorn.util import http_date
 from gunicorn.workers.gthread import _DEFER, DEFAULT_WORKER_DATA_TIMEOUT, ThreadWorker
 
-log = logging.getLogger("relay.unifiedpush_http")
+log = logging.getLogger("relay.unifiedpush.http")
 
 PREFIX = b"POST /push/v4.local."
 _ADOPTED = object()  # handle()'s answer for a connection the push loop took over
 MAX_HEAD = 8192  # a longer head goes to gunicorn, which applies its own limits
-MAX_BODY = 4096 + 1  # relay.services.unifiedpush.messages.MAX_BODY_BYTES, +1 to see excess
+MAX_BODY = 4096 + 1  # relay.unifiedpush.services.messages.MAX_BODY_BYTES, +1 to see excess
 READ_TIMEOUT = 5.0  # a client that stalls mid-request loses the connection
 _TOKEN_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _PATH = re.compile(rb"/push/(v4\.local\.[A-Za-z0-9_\-.]+)")
@@ -231,7 +231,7 @@ class PushWorker(ThreadWorker):
 
     def _answer(self, conn: Any, request: _Request) -> Any:
         # Imported here: Django is set up only once gunicorn has loaded the application.
-        from relay import unifiedpush_http
+        from relay.unifiedpush import http as unifiedpush_http
 
         started = time.perf_counter()
         body = request.body
@@ -245,7 +245,7 @@ class PushWorker(ThreadWorker):
             )
         )
         keep = self._keep(request)
-        payload, headers = self._render(status, headers, content, keep)
+        status, payload, headers = self._render(status, headers, content, keep)
         try:
             sent = conn.sock.send(payload)
         except BlockingIOError:
@@ -263,11 +263,12 @@ class PushWorker(ThreadWorker):
     def _guarded(self, answer: Any) -> tuple[int, list[tuple[str, str]], bytes]:
         from django.db import close_old_connections
 
+        from relay.unifiedpush import http as unifiedpush_http
+
         try:
             status, headers, content = answer()
-        except Exception as error:  # what Django would turn into a 500, logged without details
-            log.exception("unifiedpush.post_crashed", extra={"error_type": type(error).__name__})
-            status, headers, content = 500, [("Content-Type", "application/json")], b"{}"
+        except Exception as error:  # what Django would turn into a 500
+            status, headers, content = unifiedpush_http.crashed(error)
         if status >= 500:
             close_old_connections()  # a dropped database connection is reopened next time
         return status, headers, content
@@ -286,9 +287,11 @@ class PushWorker(ThreadWorker):
 
     def _render(
         self, status: int, headers: list[tuple[str, str]], content: bytes, keep: bool
-    ) -> tuple[bytes, list[tuple[str, str]]]:
-        from relay import unifiedpush_http
+    ) -> tuple[int, bytes, list[tuple[str, str]]]:
+        """(status, bytes, headers) of the answer; a 500 if a header cannot be sent."""
+        from relay.unifiedpush import http as unifiedpush_http
 
+        status, headers, content = unifiedpush_http.sendable((status, headers, content))
         headers = [
             *headers,
             *unifiedpush_http.SECURITY_HEADERS,
@@ -302,7 +305,7 @@ class PushWorker(ThreadWorker):
         ]
         if not keep:
             head.append(b"Connection: close")
-        return b"\r\n".join(head) + b"\r\n\r\n" + content, headers
+        return status, b"\r\n".join(head) + b"\r\n\r\n" + content, headers
 
     def _record(
         self,
@@ -402,8 +405,9 @@ class PushLoop:
         self.loop.call_later(1.0, self._tick)
 
     async def post(self, request: _Request) -> tuple[int, list[tuple[str, str]], bytes]:
-        from relay import conf, unifiedpush_http
-        from relay.services.unifiedpush.channel import AsyncChannels
+        from relay import conf
+        from relay.unifiedpush import http as unifiedpush_http
+        from relay.unifiedpush.services.channel import AsyncChannels
 
         if self.channels is None:
             self.channels = AsyncChannels(window=conf.current().unifiedpush_direct_seconds)
@@ -484,19 +488,25 @@ class _Adopted:
         self.owner.loop.create_task(self._serve(request))
 
     async def _serve(self, request: _Request) -> None:
+        from relay.unifiedpush import http as unifiedpush_http
+
         worker = self.owner.worker
         started = time.perf_counter()
         try:
             status, headers, content = await self.owner.post(request)
-        except Exception as error:  # what Django would turn into a 500, logged without details
-            log.exception("unifiedpush.post_crashed", extra={"error_type": type(error).__name__})
-            status, headers, content = 500, [("Content-Type", "application/json")], b"{}"
+        except Exception as error:  # what Django would turn into a 500
+            status, headers, content = unifiedpush_http.crashed(error)
         if self.closed:
             return  # the client went away; the message was handled all the same
-        keep = worker._keep(request)
-        payload, headers = worker._render(status, headers, content, keep)
-        self._send(payload)
-        worker._record(self.conn, request, status, headers, len(payload), started)
+        try:
+            keep = worker._keep(request)
+            status, payload, headers = worker._render(status, headers, content, keep)
+            self._send(payload)
+            worker._record(self.conn, request, status, headers, len(payload), started)
+        except Exception as error:  # never leave the connection waiting: end it
+            log.exception("unifiedpush.answer_failed", extra={"error_type": type(error).__name__})
+            self.close()
+            return
         self.busy = False
         self.since = time.monotonic()
         if not keep:

@@ -158,45 +158,6 @@ def gateway_limits_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
 
 
 @register("relay")
-def unifiedpush_keys_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """UNIFIEDPUSH_KEYS must be 32-byte keys; stored messages sealed with a key that is no
-    longer configured cannot be delivered (the key was dropped before they expired)."""
-    from relay.services.unifiedpush import keys
-
-    entries = list(conf.current().unifiedpush_keys)
-    if not entries:
-        return [Error("UNIFIEDPUSH_KEYS is empty: no endpoint can be issued.", id="relay.E010")]
-    for index, entry in enumerate(entries):
-        try:
-            keys.decode_master_key(entry)
-        except keys.BadKey as error:
-            return [
-                Error(
-                    f"UNIFIEDPUSH_KEYS entry {index + 1} is not base64 of 32 bytes ({error}).",
-                    hint="Generate one with: python -c 'import base64, os; "
-                    "print(base64.urlsafe_b64encode(os.urandom(32)).decode())'",
-                    id="relay.E011",
-                )
-            ]
-    from relay.services.unifiedpush import store
-
-    try:
-        unreadable = store.count_sealed_with_other_keys([key.kid for key in keys.keyring().keys])
-    except DatabaseError:
-        return []
-    if unreadable:
-        return [
-            Warning(
-                f"{unreadable} stored UnifiedPush message(s) are sealed with a key that is not "
-                "in UNIFIEDPUSH_KEYS; they cannot be delivered.",
-                hint="Put the old key back (after the new one) until they expire.",
-                id="relay.W030",
-            )
-        ]
-    return []
-
-
-@register("relay")
 def probe_listen_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """A listener address the gateway or the worker could not parse would only show up as a
     crash at start; say it here."""
@@ -222,33 +183,6 @@ def probe_listen_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
             )
         if address is not None and not 0 <= address[1] <= 65535:
             messages.append(Error(f"{name}: the port must be 0 to 65535.", id="relay.E120"))
-    return messages
-
-
-@register("relay")
-def unifiedpush_direct_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """The direct path's window and listener: a wrong value would only show at the first POST."""
-    from relay.services.unifiedpush.channel import parse_bind
-
-    relay = conf.current()
-    messages: list[CheckMessage] = []
-    if not 0 <= relay.unifiedpush_direct_seconds <= relay.unifiedpush_answer_timeout_seconds:
-        messages.append(
-            Error(
-                "RELAY_UNIFIEDPUSH_DIRECT_SECONDS must be between 0 (off) and "
-                "RELAY_UNIFIEDPUSH_ANSWER_TIMEOUT_SECONDS.",
-                id="relay.E012",
-            )
-        )
-    try:
-        parse_bind(relay.unifiedpush_channel)
-    except ValueError:
-        messages.append(
-            Error(
-                "RELAY_UNIFIEDPUSH_CHANNEL must be host:port (port 0 picks a free one), or off.",
-                id="relay.E012",
-            )
-        )
     return messages
 
 

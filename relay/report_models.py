@@ -5,7 +5,9 @@ Recorded by the relay (no JID, token, secret or body in any of them):
 - `RegistrationEvent`: a registration's lifecycle (created, token renewed, died, removed),
   with the change it made to the number of live registrations;
 - `PublishTally`: publishes per minute by verdict, including those that never become a
-  Delivery (rate-limited, refused, coalesced).
+  Delivery (rate-limited, refused, coalesced);
+- `RetentionCut`: how far the retention has pruned each of those records (and the
+  deliveries), so the reports never remake a day from what the pruning left of it.
 
 Written back by the Spark reports (`analytics/`, through `analytics.writer`), one row per day
 and key, read-only in the admin. Tenants and apps are copied by id and name, not linked: a
@@ -90,6 +92,20 @@ class PublishTally(models.Model):
 
     def __str__(self) -> str:
         return f"{self.minute:%Y-%m-%d %H:%M} {self.verdict} {self.count}"
+
+
+class RetentionCut(models.Model):
+    """How far the retention pruned a table of records: rows older than `pruned_before` may
+    be gone. Written (only ever moved later) before the first of those rows is deleted, so a
+    report run that sees a row missing also sees the cut, on the replica too (it replays the
+    primary's commits in order). The reports never recompute a day that starts before the
+    cut: its report was made from records that no longer all exist."""
+
+    table_name = models.CharField(max_length=63, unique=True)
+    pruned_before = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.table_name} pruned before {self.pruned_before:%Y-%m-%d %H:%M}"
 
 
 # --- daily aggregates written by the reports ----------------------------------------------------

@@ -139,14 +139,6 @@ worker_process_shutdown.connect(_close_providers, weak=False)
 worker_shutdown.connect(_close_providers, weak=False)
 
 
-@shared_task(name="relay.remove_stale_uwpx_devices", ignore_result=True)
-def remove_stale_uwpx_devices() -> int:
-    """Beat task (CELERY_BEAT_SCHEDULE): Windows devices whose client went silent."""
-    from relay.services import uwpx
-
-    return uwpx.remove_stale_devices()
-
-
 @shared_task(name="relay.remove_unused_registrations", ignore_result=True)
 def remove_unused_registrations() -> int:
     """Beat task (CELERY_BEAT_SCHEDULE): registrations no publish ever reached."""

@@ -46,6 +46,15 @@ for tenant_name, app_name in (("alpha", "conv"), ("beta", "chat")):
 print(json.dumps(ids))
 """
 
+_PRUNE = """
+import json, sys, django
+from datetime import datetime
+django.setup()
+from relay.services import retention
+pruned = retention.prune(days=int(sys.argv[1]), now=datetime.fromisoformat(sys.argv[2]))
+print(json.dumps(pruned))
+"""
+
 
 def at(day: date, seconds: float = 3600.0) -> datetime:
     return datetime.combine(day, clock(), tzinfo=UTC) + timedelta(seconds=seconds)
@@ -59,28 +68,36 @@ class ReportDatabase:
         # Their own folders under /tmp: the postgres user cannot enter pytest's.
         self.primary = PrivatePostgres().start()
         self.url = self.primary.create_database("relay")
-        env = {
+        self._env = {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "pushsite.settings",
             "DATABASE_URL": self.url,
             "VAR_DIR": str(workdir / "var"),
         }
-        out = subprocess.run(
-            [sys.executable, "-c", _SETUP],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
-        self.ids: dict[str, dict[str, int]] = json.loads(out.strip().splitlines()[-1])
+        self.ids: dict[str, dict[str, int]] = self._relay(_SETUP)
         # pg_basebackup starts with a spread checkpoint: with the buffers already written it
         # has nothing to pace, and the replica is there in a second instead of minutes.
         self.primary.psql("CHECKPOINT")
         self.replica = self.primary.replica()
         self.replica_url = self.replica.url("relay")
         self._registration = 0
+
+    def _relay(self, code: str, *args: str) -> Any:
+        """Run `code` in a Django process of the relay on the primary; its last line (JSON)."""
+        out = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            cwd=ROOT,
+            env=self._env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def prune(self, days: int, now: datetime) -> dict[str, int]:
+        """The relay's retention (relay.services.retention.prune) as if it were `now`."""
+        return dict(self._relay(_PRUNE, str(days), now.isoformat()))
 
     def close(self) -> None:
         self.replica.close()

@@ -15,11 +15,12 @@ import sys
 from dataclasses import replace
 from datetime import date, timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from analytics import jobs, reports
-from analytics.config import Database, JobConfig, Thresholds
+from analytics.config import Database, JobConfig, Thresholds, Unreachable
 from tests.analytics_data import (
     D1,
     D2,
@@ -30,7 +31,10 @@ from tests.analytics_data import (
     at,
     delivered,
     load_known_days,
+    not_delivered,
 )
+from tests.support.ports import free_port
+from tests.support.proxy import TcpProxy
 from tests.support.spark_cluster import SPARK_HOME, SparkStandalone, spark_env
 
 DAYS = [D1, D2, D3]
@@ -354,6 +358,120 @@ def test_an_unchanged_day_is_not_read_again_and_a_changed_one_is_replaced(
     ).count() == len(snapshot)
 
 
+# --- retention: a report outlives its raw records ------------------------------------------------
+
+P0, P1, P2, P3, P4 = (date(2026, 5, 4) + timedelta(days=n) for n in range(5))
+REPORT_TABLES = (
+    "relay_reportusage",
+    "relay_reportregistrations",
+    "relay_reportdomain",
+    "relay_reporterrorcode",
+    "relay_reportanomaly",
+)
+PARQUET_DATASETS = ("usage", "registrations", "domains", "error_codes", "anomalies")
+
+
+def later(rows: list[dict], hours: int) -> list[dict]:
+    return [{**row, "received": row["received"] + timedelta(hours=hours)} for row in rows]
+
+
+def stored_reports(spark, db: ReportDatabase, output: Path, days: list[date]) -> dict:
+    """Every report row of `days`, in the primary (ids included: a row deleted and inserted
+    again is not the same) and in the Parquet outputs."""
+    found: dict[str, list] = {
+        table: db.rows(f"SELECT * FROM {table} WHERE day = ANY(%s) ORDER BY id", (days,))
+        for table in REPORT_TABLES
+    }
+    for name in PARQUET_DATASETS:
+        if any((output / name).rglob("*.parquet")):  # a dataset never written non-empty has none
+            frame = spark.read.parquet(str(output / name)).where(days_predicate(days))
+            found[name] = sorted((tuple(row) for row in frame.collect()), key=repr)
+    return found
+
+
+def days_predicate(days: list[date]) -> str:
+    return "day IN (" + ", ".join(f"DATE '{day}'" for day in days) + ")"
+
+
+def test_pruned_days_keep_their_reports_and_intact_days_are_still_recomputed(spark, tmp_path):
+    """Reports of P1..P4; the retention prunes P0 and P1 whole and P2 up to noon; the next
+    runs (forced or not) keep P1's and P2's reports as they were and recompute P3."""
+    db = ReportDatabase(tmp_path / "db")
+    try:
+        db.deliveries("alpha", "fcm", delivered("a.example", [10, 20], P0))
+        db.deliveries(
+            "alpha",
+            "fcm",
+            delivered("a.example", [100, 200, 300], P1)
+            + not_delivered("b.example", "failed", "QUOTA_EXCEEDED", 1, P1),
+        )
+        db.tally("alpha", "fcm", "a.example", "accepted", 5, at(P1))
+        registration = db.registration("alpha", "fcm")
+        db.event("alpha", "fcm", registration, "created", 1, at(P1))
+        # P2: three pushes in the morning (pruned), two in the evening (kept)
+        db.deliveries(
+            "alpha",
+            "fcm",
+            later(delivered("a.example", [10, 20, 30], P2), 6)
+            + later(delivered("a.example", [40, 50], P2), 18),
+        )
+        db.tally("alpha", "fcm", "a.example", "accepted", 7, at(P2, 6 * 3600))
+        db.tally("alpha", "fcm", "a.example", "accepted", 2, at(P2, 18 * 3600))
+        db.deliveries("beta", "fcm", delivered("c.example", [5, 6], P3))
+        db.deliveries("beta", "fcm", delivered("c.example", [7], P4))
+        db.wait_for_replica()
+        output = tmp_path / "out"
+        config = make_config(db, output, P1, P4)
+
+        first = jobs.run(spark, config, progress=lambda _: None)
+        assert first.changed == [P1, P2, P3, P4]
+        assert usage_rows(db, P1)[("all", "", "", "")][:3] == (5, 4, 3)
+        assert usage_rows(db, P2)[("all", "", "", "")][:3] == (9, 5, 5)
+        before = stored_reports(spark, db, output / "parquet", [P1, P2])
+        assert all(before[name] for name in ("usage", "registrations", "domains", "error_codes"))
+
+        # The cut falls at P2 12:00 (two days before P4 12:00).
+        pruned = db.prune(days=2, now=at(P4, 12 * 3600))
+        assert pruned == {
+            "relay_delivery": 2 + 4 + 3,
+            "relay_registrationevent": 1,
+            "relay_publishtally": 2,
+        }
+        assert db.rows("SELECT count(*) FROM relay_retentioncut") == [(3,)]
+        # P3's records change: it is recomputed, the pruned days are not.
+        db.deliveries("beta", "fcm", delivered("c.example", [8], P3, attempts=2))
+        db.wait_for_replica()
+
+        lines: list[str] = []
+        again = jobs.run(spark, replace(config, since=P0), progress=lines.append)
+        assert stored_reports(spark, db, output / "parquet", [P1, P2]) == before
+        assert again.kept == [P0, P1, P2] and again.changed == [P3]
+        assert usage_rows(db, P3)[("all", "", "", "")][:5] == (0, 3, 3, 0, 1)
+        assert any(
+            f"3 day(s) through {P2} kept as reported" in line and "1 never reported" in line
+            for line in lines
+        ), lines
+        # P0 was pruned before any report: it stays without one (not an empty one).
+        assert stored_reports(spark, db, output / "parquet", [P0]) == {
+            **{table: [] for table in REPORT_TABLES},
+            **{
+                name: []
+                for name in PARQUET_DATASETS
+                if any((output / "parquet" / name).rglob("*.parquet"))
+            },
+        }
+
+        forced = jobs.run(spark, replace(config, force=True), progress=lambda _: None)
+        assert stored_reports(spark, db, output / "parquet", [P1, P2]) == before
+        assert forced.kept == [P1, P2] and forced.changed == [P3, P4]
+        # The month's export (what is billed) still counts the pruned days' pushes.
+        with (output / "export" / "monthly" / "2026-05" / "alpha.csv").open() as handle:
+            total = next(row for row in csv.DictReader(handle) if row["app"] == "(all)")
+        assert total["pushes_sent"] == str(4 + 5)
+    finally:
+        db.close()
+
+
 def test_anomalies_against_the_previous_seven_days(spark, database, tmp_path):
     """beta: 100 publishes and 100 pushes a day, 1 failed; then a day of 400 and 30 failed."""
     first = date(2026, 4, 1)
@@ -496,3 +614,73 @@ def test_run_reports_command_shows_progress_and_refuses_a_bad_database(database,
     )
     assert refused.returncode != 0
     assert "ANALYTICS_DATABASE_URL must be a PostgreSQL URL" in refused.stderr
+
+
+# --- a database the job cannot reach ------------------------------------------------------------
+
+
+def moved(url: str, port: int, password: str = "") -> str:
+    """`url` with another port on the loopback (and a password, if given)."""
+    parts = urlsplit(url)
+    user = f"{parts.username}:{password}" if password else parts.username
+    return parts._replace(netloc=f"{user}@127.0.0.1:{port}").geturl()
+
+
+def test_run_reports_says_in_one_line_that_the_replica_cannot_be_reached(database, tmp_path):
+    port = free_port()  # nothing listens there
+    env = {
+        **job_env(database, tmp_path),
+        "ANALYTICS_DATABASE_URL": moved(database.replica_url, port, "PASSWORD-PRIVATE"),
+    }
+    command = [sys.executable, "manage.py", "run_reports", "--since", str(D1), "--until", str(D1)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    # One line says it (beside the relay's JSON log lines): where, never the password.
+    [line] = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert line.startswith("CommandError: the reports cannot run: cannot reach")
+    assert f"ANALYTICS_DATABASE_URL (127.0.0.1:{port}, database relay)" in line
+    assert "refused" in line.lower()
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output and "PASSWORD-PRIVATE" not in output
+    assert "relay-reports" not in output and not (tmp_path / "parquet").exists()  # no Spark
+
+
+def test_a_connection_failing_inside_spark_is_said_in_one_line(spark, database, tmp_path):
+    """Past the check before Spark starts: at Spark's first read of the replica, and inside
+    its tasks (the replica goes away once the reads are planned)."""
+    port = free_port()
+    unreachable = replace(
+        make_config(database, tmp_path / "closed", D1, D1),
+        source=Database.from_url(
+            moved(database.replica_url, port, "PASSWORD-PRIVATE"),
+            setting="ANALYTICS_DATABASE_URL",
+        ),
+    )
+    with pytest.raises(Unreachable) as at_first_read:
+        jobs.run_reporting_unreachable(spark, unreachable, progress=lambda _: None)
+    message = str(at_first_read.value)
+    assert "\n" not in message and "PASSWORD-PRIVATE" not in message
+    assert message.startswith(f"cannot reach ANALYTICS_DATABASE_URL (127.0.0.1:{port}, ")
+
+    replica = urlsplit(database.replica_url)
+    proxy = TcpProxy("127.0.0.1", replica.port or 5432)
+    try:
+        config = replace(
+            make_config(database, tmp_path / "lost", D1, D1),
+            source=Database.from_url(
+                moved(database.replica_url, proxy.port), setting="ANALYTICS_DATABASE_URL"
+            ),
+        )
+
+        def progress(line: str) -> None:
+            if "JDBC partition(s)" in line:  # planned, not yet read
+                proxy.close()
+
+        with pytest.raises(Unreachable) as in_a_task:
+            jobs.run_reporting_unreachable(spark, config, progress=progress)
+    finally:
+        proxy.close()
+    message = str(in_a_task.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot reach ANALYTICS_DATABASE_URL (127.0.0.1:{proxy.port}, ")
+    assert "refused" in message

@@ -1,4 +1,4 @@
-"""The Windows API's fast WSGI path (relay.api.fast) answers exactly as the ninja views do.
+"""The Windows API's fast WSGI path (relay.windows.api.fast) answers exactly as the ninja views do.
 
 Each request goes through pushsite.wsgi's application (fast path in front of Django) and the
 same request through Django alone; status, body and the headers that matter must agree.
@@ -16,8 +16,8 @@ from django.core import signals
 from django.core.handlers.wsgi import WSGIHandler
 from django.db import close_old_connections
 
-from relay.api.fast import FastUwpxPath
 from relay.models import App, Registration, WnsDevice
+from relay.windows.api.fast import FastUwpxPath
 
 DEVICE_ID = "5486bd868050a620141f4e81c9f1d2c67ab0de27e5e26d218ca41c9394ee806b"
 OTHER_DEVICE = "0123456789abcdef" * 4

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay.api import protocol
+from relay.windows.api import protocol
 
 pytestmark = [pytest.mark.django_db, pytest.mark.defaults]
 
@@ -54,7 +54,7 @@ def resolve(node: Any, components: dict[str, Any]) -> Any:
 
 @pytest.fixture(scope="module")
 def openapi() -> dict[str, Any]:
-    from relay.api.views import api
+    from relay.windows.api.views import api
 
     return json.loads(json.dumps(api.get_openapi_schema()))  # as served: string status keys
 
@@ -74,7 +74,7 @@ def fuzz_setup(client, component, settings, openapi):
         }
     }
     app = component.app
-    from relay.services import uwpx
+    from relay.windows import services as uwpx
 
     uwpx.set_channel_uri(
         app=app, device_id=KNOWN_DEVICE, channel_uri="https://db5p.notify.windows.com/?token=x"

@@ -15,8 +15,8 @@ import pytest
 from django.utils import timezone
 
 from relay.models import App, Component, Registration, Service, Tenant, WnsDevice
-from relay.services import uwpx
 from relay.services.publishing import Publish, Verdict, accept_publish
+from relay.windows import services as uwpx
 from tests.support.processes import ROOT
 from tests.uwpx_examples import (
     SEED_ERROR,
@@ -580,7 +580,7 @@ def test_device_limit_is_shared_across_processes(kind, settings, tmp_path):
         "prefix = os.environ.get('CACHE_PREFIX_FOR_TEST')\n"
         "if prefix: settings.CACHES['default']['KEY_PREFIX'] = prefix\n"
         "settings.RELAY['UWPX_RATE_LIMIT_DEVICE'] = (3, 3600)\n"
-        "from relay.services import uwpx\n"
+        "from relay.windows import services as uwpx\n"
         f"for _ in range(3): uwpx.check_device_rate(device_id={DEVICE_ID!r}, action='x')\n"
     )
     child_env = dict(os.environ, SECRET_KEY=settings.SECRET_KEY, **env)
@@ -678,7 +678,7 @@ def test_stale_devices_are_removed_with_their_accounts(client, app, settings):
     old = timezone.now() - timedelta(days=31)
     WnsDevice.objects.filter(device_id_hash=uwpx.device_id_hash(DEVICE_ID)).update(updated=old)
 
-    from relay.tasks import remove_stale_uwpx_devices
+    from relay.windows.tasks import remove_stale_uwpx_devices
 
     assert remove_stale_uwpx_devices() == 1
     assert WnsDevice.objects.get().device_id_hash == uwpx.device_id_hash(OTHER_DEVICE)

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from relay.models import App, Component, ComponentLink, Delivery, Registration, Tenant
-from relay.services import uwpx
+from relay.windows import services as uwpx
 from tests.fakes.wns import FakeWns
 from tests.support.processes import start_gateway, start_worker, wait_until
 

@@ -16,11 +16,12 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from relay.models import Delivery, Registration, Service, Tenant
-from relay.report_models import PublishTally, RegistrationEvent
-from relay.services import delivery, lifecycle, queue, retention, tallies, throttling, uwpx
+from relay.report_models import PublishTally, RegistrationEvent, RetentionCut
+from relay.services import delivery, lifecycle, queue, retention, tallies, throttling
 from relay.services import provider_registry as registry
 from relay.services.publishing import Publish, Verdict, accept_publishes
 from relay.services.registrations import register_device, unregister_device
+from relay.windows import services as uwpx
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeWns
 from tests.support.provider_fakes import configure_fcm, configure_wns
@@ -347,6 +348,26 @@ def test_prune_deletes_only_what_is_older_than_the_retention(component, capsys):
     out = capsys.readouterr().out
     assert "relay_delivery: 13 row(s) pruned" in out
     assert Delivery.objects.count() == 0
+
+
+def test_prune_records_how_far_it_went_and_never_moves_the_cut_back(component):
+    """The reports keep every day before the cut (tests/test_analytics.py): it is where the
+    deletion went, per table, and only a table that lost rows has one."""
+    now = timezone.now()
+
+    def cuts() -> dict[str, datetime]:
+        return {cut.table_name: cut.pruned_before for cut in RetentionCut.objects.all()}
+
+    Delivery.objects.bulk_create([_delivery(component, now - timedelta(days=40))])
+    retention.prune(days=30, now=now)
+    assert cuts() == {"relay_delivery": now - timedelta(days=30)}
+    Delivery.objects.bulk_create([_delivery(component, now - timedelta(days=20))])
+    retention.prune(days=10, now=now)
+    assert cuts() == {"relay_delivery": now - timedelta(days=10)}
+    # A longer retention later deletes what is older still; the cut stays where it was.
+    Delivery.objects.bulk_create([_delivery(component, now - timedelta(days=200))])
+    assert retention.prune(days=100, now=now)["relay_delivery"] == 1
+    assert cuts() == {"relay_delivery": now - timedelta(days=10)}
 
 
 def test_retention_zero_keeps_everything(component):

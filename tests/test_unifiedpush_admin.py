@@ -62,7 +62,7 @@ def test_an_operator_adds_a_unifiedpush_only_component_and_gets_its_snippet(oper
     "url, error",
     [
         ("", "Choose an app (the p2 commands), enter a UnifiedPush endpoint URL, or both."),
-        ("https://push.acme.example/?x=1", "a base URL without user, query or fragment"),
+        ("https://push.acme.example/?x=1", "Give a base URL without user, query or fragment."),
         ("not a url", "Enter a valid URL."),
     ],
 )
@@ -108,7 +108,7 @@ def test_tenant_staff_change_the_lifetime_but_not_the_public_url(db):
 def test_unifiedpush_deliveries_are_listed_per_tenant_read_only(operator_client):
     from django.utils import timezone
 
-    from relay.models import UnifiedPushDelivery
+    from relay.unifiedpush.models import UnifiedPushDelivery
 
     mine, theirs = build_tenant("mine"), build_tenant("theirs")
     now = timezone.now()
@@ -127,16 +127,15 @@ def test_unifiedpush_deliveries_are_listed_per_tenant_read_only(operator_client)
     staff = make_tenant_staff(mine, "mine-staff", every_permission=False)
     client = Client()
     client.force_login(staff)
-    url = reverse("admin:relay_unifiedpushdelivery_changelist")
+    url = reverse("admin:unifiedpush_unifiedpushdelivery_changelist")
     page = client.get(url)
     assert page.status_code == 200
     # build_tenant made one of each already (sizes 400 and 600).
     assert sorted(page.context["cl"].queryset.values_list("size", flat=True)) == [111, 400]
     assert operator_client.get(url).context["cl"].queryset.count() == 4
     record = UnifiedPushDelivery.objects.get(size=111)
-    change = client.post(
-        reverse("admin:relay_unifiedpushdelivery_change", args=[record.pk]), {"outcome": "expired"}
-    )
+    url = reverse("admin:unifiedpush_unifiedpushdelivery_change", args=[record.pk])
+    change = client.post(url, {"outcome": "expired"})
     assert change.status_code in (302, 403)
     record.refresh_from_db()
     assert record.outcome == "delivered"

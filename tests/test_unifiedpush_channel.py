@@ -1,5 +1,6 @@
-"""The direct path's wire (relay/services/unifiedpush/channel.py), its listener in the
-gateway (xmppgateway/channel.py), its announcement with the leases, and its start-up check."""
+"""The direct path's wire (relay/unifiedpush/services/channel.py), its listener in the
+gateway (relay/unifiedpush/gateway/channel.py), its announcement with the leases, and its
+start-up check."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from django.test import override_settings
 
 from relay.models import Component, Tenant
 from relay.services import link_leases
-from relay.services.unifiedpush import channel
-from relay.services.unifiedpush.store import NewMessage
+from relay.unifiedpush.gateway.channel import ChannelServer
+from relay.unifiedpush.services import channel
+from relay.unifiedpush.services.store import NewMessage
 from tests.support.ports import free_port
-from xmppgateway.channel import ChannelServer
 
 
 def a_message(**changes: object) -> NewMessage:
@@ -206,7 +207,7 @@ def test_the_lease_holder_announces_its_channel_to_the_web_processes():
 
 @pytest.mark.django_db
 def test_an_event_loop_reads_a_stale_component_state_once_not_once_per_post():
-    from relay.services.unifiedpush import messages
+    from relay.unifiedpush.services import messages
 
     tenant = Tenant.objects.create(name="t")
     component = Component.objects.create(

@@ -1,4 +1,4 @@
-"""The direct path (relay/services/unifiedpush/channel.py): a POST for an online phone is
+"""The direct path (relay/unifiedpush/services/channel.py): a POST for an online phone is
 handed from the web process to the gateway, sent at once and answered when the phone did;
 a phone that does not take it within the window gets it stored, and nothing overtakes what
 is stored. Real Prosody, gateway and gunicorn, as in test_unifiedpush_e2e."""
@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from relay.models import UnifiedPushDelivery, UnifiedPushMessage
-from relay.services.unifiedpush import messages
+from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
+from relay.unifiedpush.services import messages
 from tests.support.processes import wait_until
 from tests.test_unifiedpush_e2e import COMPONENT, lab  # noqa: F401  (the fixture)
 
@@ -105,6 +105,60 @@ def test_a_restarted_gateway_does_not_let_a_new_message_overtake_stored_ones(lab
     assert [p.body for p in pushes] == [b"stored 0", b"stored 1", b"new"]
     wait_until(lambda: lab.delivered() == 3)
     assert not UnifiedPushMessage.objects.exists()
+
+
+def offline_phone(lab):  # noqa: F811
+    """A phone gone offline (Prosody answers service-unavailable), held back ten minutes once
+    a push to it failed; and its endpoint."""
+    lab.gateway.stop()
+    lab.start_gateway(
+        RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600", RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600"
+    )
+    phone = lab.phone()
+    endpoint = phone.register_endpoint(COMPONENT[0])
+    phone.disconnect()
+    return phone, endpoint
+
+
+def test_a_phone_back_from_away_is_on_the_direct_path_once_its_stored_messages_are_out(lab):  # noqa: F811
+    phone, endpoint = offline_phone(lab)
+    for n in range(3):
+        status, headers = lab.post(endpoint.url, f"stored {n}".encode())
+        assert status == 201 and message_id(headers) < DIRECT_IDS
+    assert UnifiedPushMessage.objects.count() == 3
+    phone.connect()
+    phone.announce(COMPONENT[0])  # back: everything stored comes out
+    assert [p.body for p in phone.wait_for_pushes(3)] == [b"stored 0", b"stored 1", b"stored 2"]
+    wait_until(lambda: lab.delivered() == 3)
+    # Nothing is stored any more: POSTs go straight to the phone again as soon as the gateway
+    # has taken in the answers (not when it next reads its index, up to 30 s later).
+    sent: list[bytes] = []
+    deadline = time.monotonic() + 3
+    while True:
+        sent.append(f"after {len(sent)}".encode())
+        status, headers = lab.post(endpoint.url, sent[-1])
+        assert status == 201, status
+        if message_id(headers) >= DIRECT_IDS:
+            break
+        assert time.monotonic() < deadline, f"{len(sent)} POSTs still went through the store"
+        time.sleep(0.2)  # polling, as wait_until does
+    pushes = phone.wait_for_pushes(3 + len(sent))
+    assert [p.body for p in pushes][3:] == sent
+
+
+def test_ttl_0_for_a_phone_that_is_away_expires_and_never_comes_later(lab):  # noqa: F811
+    phone, endpoint = offline_phone(lab)
+    assert lab.post(endpoint.url, b"kept")[0] == 201
+    wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists())
+    status, headers = lab.post(endpoint.url, b"now or never", TTL="0")
+    assert status == 201 and headers["TTL"] == "0"
+    phone.connect()
+    phone.announce(COMPONENT[0])  # back within a second
+    assert lab.post(endpoint.url, b"after")[0] == 201
+    wait_until(lambda: any(p.body == b"after" for p in phone.pushes_now()))
+    assert [p.body for p in phone.pushes_now()] == [b"kept", b"after"]
+    wait_until(lambda: lab.delivered() == 2)
+    assert UnifiedPushDelivery.objects.get(ttl=0).outcome == "expired"
 
 
 @pytest.mark.parametrize("how", ["stop", "kill"])

@@ -20,16 +20,10 @@ import pytest
 from django.test import override_settings
 from pywebpush import webpush
 
-from relay.models import (
-    Component,
-    ComponentLink,
-    Tenant,
-    UnifiedPushDelivery,
-    UnifiedPushMessage,
-    UnifiedPushRevocation,
-)
-from relay.services.unifiedpush import messages
-from relay.services.unifiedpush.keys import new_master_key
+from relay.models import Component, ComponentLink, Tenant
+from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, UnifiedPushRevocation
+from relay.unifiedpush.services import messages
+from relay.unifiedpush.services.keys import new_master_key
 from tests.support.processes import start_gateway, start_web, wait_until
 from tests.support.unifiedpush_phone import Phone
 from tests.support.xmpp_client import new_username, register_account

@@ -19,7 +19,7 @@ from tests.support.services import PrivatePostgres
 SETUP = """
 import base64, os, time
 from relay.models import Component, Tenant
-from relay.services.unifiedpush import registration
+from relay.unifiedpush.services import registration
 tenant = Tenant.objects.create(name="faults")
 component = Component.objects.create(tenant=tenant, jid="up.localhost", secret="s3cr3t",
     host="127.0.0.1", port=int(os.environ["COMPONENT_PORT"]),

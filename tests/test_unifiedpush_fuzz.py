@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay.models import Component, Tenant, UnifiedPushMessage
-from relay.services.unifiedpush import keys, messages, registration, tokens
+from relay.models import Component, Tenant
+from relay.unifiedpush.models import UnifiedPushMessage
+from relay.unifiedpush.services import keys, messages, registration, tokens
 
 pytestmark = [pytest.mark.django_db, pytest.mark.defaults]
 

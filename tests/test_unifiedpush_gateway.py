@@ -19,15 +19,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from relay.models import (
-    App,
-    Component,
-    Tenant,
-    UnifiedPushDelivery,
-    UnifiedPushMessage,
-    UnifiedPushRevocation,
-)
-from relay.services.unifiedpush import UP_NS, messages
+from relay.models import App, Component, Tenant
+from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, UnifiedPushRevocation
+from relay.unifiedpush.services import UP_NS, messages
 from tests.support.component_server import FakeXmppServer, error_of
 from tests.support.processes import start_gateway, wait_until
 
@@ -376,6 +370,59 @@ def test_ttl_zero_is_tried_once_and_never_kept(lab):
     lab.answer(lab.next_push(), "service-unavailable")
     wait_until(lambda: UnifiedPushDelivery.objects.filter(outcome="expired").exists())
     assert not UnifiedPushMessage.objects.exists()
+
+
+@pytest.mark.parametrize("direct", ["0.5", "0"], ids=["direct-path", "stored-path"])
+def test_ttl_zero_for_a_phone_that_is_away_is_never_delivered_when_it_is_back(lab, direct):
+    """RFC 8030 5.2: a zero TTL expires if the phone is unavailable, even for a moment."""
+    endpoint = lab.endpoint()
+    lab.gateway.stop()
+    lab.start_gateway(
+        RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600",
+        RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600",
+        RELAY_UNIFIEDPUSH_DIRECT_SECONDS=direct,
+    )
+    lab.post(endpoint, b"one")
+    lab.answer(lab.next_push(), "service-unavailable")  # away: held back for ten minutes
+    wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists())
+    assert lab.post(endpoint, b"now or never", TTL="0").status_code == 201
+    assert lab.post(endpoint, b"two").status_code == 201
+    lab.server.send(f"<presence from='{PHONE}' to='{COMPONENT}'/>")  # back at once
+    while body_of(push := lab.next_push()) != b"two":
+        lab.answer(push)
+    lab.answer(push)
+    # Oldest first: had the TTL-0 message been kept, it would have come before "two".
+    assert [body_of(p) for p in lab.all_pushes()] == [b"one", b"one", b"two"]
+    wait_until(lambda: UnifiedPushDelivery.objects.filter(outcome="delivered").count() == 2)
+    assert UnifiedPushDelivery.objects.get(ttl=0).outcome == "expired"
+
+
+@pytest.mark.parametrize("condition", ["service-unavailable", None], ids=["error", "silence"])
+def test_a_message_the_phone_did_not_take_stays_deliverable_until_its_ttl(lab, condition):
+    """The retry would come after the TTL (ten minutes against five): the message is kept
+    until its TTL passes, and the phone's return brings it out."""
+    endpoint = lab.endpoint()
+    lab.gateway.stop()
+    lab.start_gateway(
+        RELAY_UNIFIEDPUSH_RETRY_BASE_SECONDS="600",
+        RELAY_UNIFIEDPUSH_RETRY_MAX_SECONDS="600",
+        RELAY_UNIFIEDPUSH_ANSWER_TIMEOUT_SECONDS="1",
+    )
+    lab.post(endpoint, b"keep me", TTL="300")
+    first = lab.next_push()
+    if condition:
+        lab.answer(first, condition)
+    else:
+        lab.answered.add(first.get("id"))  # silence: the answer timeout passes
+    row = wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).first())
+    assert row.next_attempt <= row.expires  # retried by its expiry at the latest
+    assert not UnifiedPushDelivery.objects.exists()  # not ended with its TTL left
+    lab.server.send(f"<presence from='{PHONE}' to='{COMPONENT}'/>")
+    again = lab.next_push()
+    assert body_of(again) == b"keep me"
+    lab.answer(again)
+    record = wait_until(lambda: UnifiedPushDelivery.objects.first())
+    assert record.outcome == "delivered" and record.attempts == 2
 
 
 @pytest.mark.defaults

@@ -78,7 +78,7 @@ def test_leaving_unifiedpush_out_turns_it_off(tmp_path: Path):
         ),
         (
             ("https://push.example.org\n", "https://push.example.org/?a=b\n"),
-            r"components\[0\]\.unifiedpush\.endpoint_url: a base URL without user, query",
+            r"components\[0\]\.unifiedpush\.endpoint_url: Give a base URL without user, query",
         ),
         (
             ("token_lifetime_days: 14", "token_lifetime_days: 0"),

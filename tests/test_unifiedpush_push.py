@@ -18,14 +18,9 @@ from django.conf import settings
 from django.test import override_settings
 from django.utils import timezone
 
-from relay.models import (
-    Component,
-    Tenant,
-    UnifiedPushDelivery,
-    UnifiedPushMessage,
-    UnifiedPushRevocation,
-)
-from relay.services.unifiedpush import messages, registration, store
+from relay.models import Component, Tenant
+from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, UnifiedPushRevocation
+from relay.unifiedpush.services import messages, registration, store
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -160,6 +155,10 @@ def test_the_ttl_is_capped_and_defaulted(client, up_component):
         assert post(client, endpoint, TTL="86400")["TTL"] == "600"
         assert post(client, endpoint)["TTL"] == "300"
         assert post(client, endpoint, TTL="0")["TTL"] == "0"
+        # RFC 8030's TTL is 1*DIGIT: any number of digits is a TTL, capped like the others.
+        assert post(client, endpoint, TTL="9" * 20)["TTL"] == "600"
+        assert post(client, endpoint, TTL="9" * 5000)["TTL"] == "600"
+        assert post(client, endpoint, TTL="0" * 30 + "42")["TTL"] == "42"
 
 
 def test_a_newer_message_with_the_same_topic_replaces_the_stored_one(client, up_component):
@@ -265,7 +264,9 @@ def test_a_revoked_endpoint_is_404_until_it_expires(client, up_component):
     )
     assert ended == 1 and not UnifiedPushMessage.objects.exists()
     assert post(client, endpoint).status_code == 404
+    assert client.get(path_of(endpoint)).status_code == 404  # discovery says it is gone too
     assert post(client, other).status_code == 201
+    assert client.get(path_of(other)).status_code == 200
     assert UnifiedPushDelivery.objects.get().outcome == "revoked"
     store.expire(now=row.endpoint_expires + timedelta(seconds=1), grace=timedelta(0))
     assert not UnifiedPushRevocation.objects.exists()
@@ -288,8 +289,8 @@ def test_other_methods_are_405(client, up_component):
 
 
 def test_the_system_check_names_bad_keys_and_messages_no_key_opens(client, up_component):
-    from relay.checks import unifiedpush_keys_check
-    from relay.services.unifiedpush.keys import new_master_key
+    from relay.unifiedpush.checks import unifiedpush_keys_check
+    from relay.unifiedpush.services.keys import new_master_key
 
     with override_settings(UNIFIEDPUSH_KEYS=["tooshort"]):
         assert [m.id for m in unifiedpush_keys_check()] == ["relay.E011"]
@@ -357,9 +358,9 @@ def test_the_matrix_gateway_refuses_what_is_not_a_notification(client, payload):
 
 
 def test_an_opened_token_is_reused_but_still_expires_and_needs_its_key(client, up_component):
-    """The web process keeps tokens it opened (relay/services/unifiedpush/messages.py): a
+    """The web process keeps tokens it opened (relay/unifiedpush/services/messages.py): a
     cached one still expires on time, and one whose key left the list no longer opens."""
-    from relay.services.unifiedpush.keys import new_master_key
+    from relay.unifiedpush.services.keys import new_master_key
 
     registered = register(up_component, now=time.time() - 7 * 86400 + 60)  # a minute left
     token = registered.endpoint.rsplit("/", 1)[1]

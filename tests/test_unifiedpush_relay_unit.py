@@ -11,9 +11,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from relay.services.unifiedpush import UP_NS, messages, tokens
-from relay.services.unifiedpush.store import NewMessage, StoredMessage
-from xmppgateway.unifiedpush import Recipient, UnifiedPushRelay
+from relay.unifiedpush.gateway.phones import Recipient
+from relay.unifiedpush.gateway.relay import UnifiedPushRelay
+from relay.unifiedpush.services import UP_NS, messages, tokens
+from relay.unifiedpush.services.store import NewMessage, StoredMessage
 
 pytestmark = pytest.mark.defaults
 
@@ -111,7 +112,7 @@ def test_only_the_phone_itself_can_answer_and_a_failure_holds_it_back():
 
     relay, wire = run(scenario())
     assert len(wire.sent) == 1
-    assert len(relay.recipients) == 1 and not relay.in_flight
+    assert len(relay.phones.away) == 1 and not relay.in_flight
 
 
 def test_a_stale_read_of_a_delivered_message_does_not_send_it_again():
@@ -142,10 +143,10 @@ def test_answers_to_unknown_ids_are_left_to_slixmpp():
 
 def test_phones_that_never_come_back_are_forgotten():
     relay = UnifiedPushRelay(no_database, retry_max=10)
-    relay.recipients[(1, "old")] = Recipient(failures=3, retry_at=time.monotonic() - 100)
-    relay.recipients[(1, "recent")] = Recipient(failures=1, retry_at=time.monotonic() + 5)
+    relay.phones.away[(1, "old")] = Recipient(failures=3, retry_at=time.monotonic() - 100)
+    relay.phones.away[(1, "recent")] = Recipient(failures=1, retry_at=time.monotonic() + 5)
     relay._forget_old_recipients()
-    assert list(relay.recipients) == [(1, "recent")]
+    assert list(relay.phones.away) == [(1, "recent")]
 
 
 def offered(message: StoredMessage) -> NewMessage:
@@ -194,9 +195,9 @@ def test_an_offer_never_overtakes_a_stored_message_or_reaches_a_revoked_endpoint
         relay, wire = UnifiedPushRelay(no_database, direct_window=5), Wire()
         relay.link_up(1, "up.example.org", wire)
         await relay._index()
-        relay._mark(1, stored(5).recipient_key, 5)  # a stored message, as the index read it
+        relay.index.mark((1, stored(5).recipient_key), 5)  # a stored message, as read
         behind_stored = relay.offer(offered(stored(6)))
-        relay.revoked.add("e" * 32)
+        relay.index.revoked.add("e" * 32)
         revoked = relay.offer(offered(stored(7)))
         await asyncio.sleep(0)
         return behind_stored.result(), revoked.result(), wire.sent

@@ -12,8 +12,9 @@ import psycopg
 import pytest
 from django.db import connection
 
-from relay.models import Component, Tenant, UnifiedPushDelivery, UnifiedPushMessage
-from relay.services.unifiedpush import messages, registration, store
+from relay.models import Component, Tenant
+from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
+from relay.unifiedpush.services import messages, registration, store
 from tests.support.processes import test_database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)

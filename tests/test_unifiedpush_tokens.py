@@ -9,8 +9,8 @@ import time
 import pytest
 from django.test import override_settings
 
-from relay.services.unifiedpush import keys, tokens
-from relay.services.unifiedpush.keys import KeyRing, keyring, new_master_key
+from relay.unifiedpush.services import keys, tokens
+from relay.unifiedpush.services.keys import KeyRing, keyring, new_master_key
 
 pytestmark = pytest.mark.defaults
 

@@ -7,8 +7,6 @@ what it must refuse to shortcut."""
 
 from __future__ import annotations
 
-import base64
-import os
 import re
 import socket
 import time
@@ -16,8 +14,10 @@ import time
 import pytest
 
 from pushsite.web_worker import parse_head
-from relay.models import Component, Tenant, UnifiedPushMessage
-from relay.services.unifiedpush import messages, registration
+from relay.models import Component, Tenant
+from relay.unifiedpush.models import UnifiedPushMessage
+from relay.unifiedpush.services import messages
+from tests.support.endpoints import new_endpoint
 from tests.support.processes import start_web
 
 TOKEN = "v4.local.abc-DEF_123"
@@ -109,8 +109,9 @@ def _post(token: str, body: bytes, *extra: str) -> bytes:
     )
 
 
-@pytest.mark.django_db(transaction=True)
-def test_the_web_process_answers_posts_itself_and_hands_the_rest_back():
+@pytest.fixture
+def web_endpoint(transactional_db):
+    """The real web process; (it, its port, a component it serves, a live endpoint token)."""
     messages.reset_limits()
     web, url = start_web(RELAY_UNIFIEDPUSH_ENDPOINT_RATE="0/0", RELAY_UNIFIEDPUSH_TENANT_RATE="0/0")
     try:
@@ -118,80 +119,103 @@ def test_the_web_process_answers_posts_itself_and_hands_the_rest_back():
         component = Component.objects.create(
             tenant=tenant, jid="up.worker.example", secret="x", unifiedpush_endpoint_url=url
         )
-        registered = registration.register(
-            component_id=component.pk,
-            jid="someone@worker.example/phone",
-            domain="worker.example",
-            has_resource=True,
-            application=base64.b64encode(os.urandom(32)).decode(),
-            instance=base64.b64encode(os.urandom(32)).decode(),
-            now=time.time(),
-        )
-        token = registered.endpoint.rsplit("/", 1)[1]
-        port = int(url.rsplit(":", 1)[1])
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-            # Keep-alive, then two requests pipelined in one write, then the rest.
-            [(status, first_head, _)] = _exchange(sock, _post(token, b"one", "TTL: 30"), 1)
-            assert status == 201
-            assert b"\r\nTTL: 30" in first_head and b"\r\nLocation: " in first_head
-            assert b"\r\nX-Content-Type-Options: nosniff" in first_head
-            answers = _exchange(sock, _post(token, b"two") + _post(token, b"three"), 2)
-            assert [a[0] for a in answers] == [201, 201]
-            # GET on the same connection goes through gunicorn and Django: discovery.
-            [(status, _, body)] = _exchange(
-                sock, head(f"GET /push/{token} HTTP/1.1", "Host: localhost") + b"\r\n\r\n", 1
-            )
-            assert status == 200 and b'"unifiedpush"' in body
-            # Refusals answered by the shortcut: 413, 404, 400.
-            [(status, _, _)] = _exchange(sock, _post(token, b"x" * 4097), 1)
-            assert status == 413
-            [(status, _, _)] = _exchange(sock, _post(token[:-3] + "AAA", b"x"), 1)
-            assert status == 404
-            [(status, _, _)] = _exchange(sock, _post(token, b"x", "TTL: soon"), 1)
-            assert status == 400
-            # Chunked: handed back, answered by the WSGI path (411), connection still usable.
-            chunked = (
-                head(
-                    f"POST /push/{token} HTTP/1.1", "Host: localhost", "Transfer-Encoding: chunked"
-                )
-                + b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
-            )
-            [(status, _, _)] = _exchange(sock, chunked, 1)
-            assert status == 411
-            # A body bigger than any push: handed back, gunicorn reads and refuses it.
-            [(status, _, _)] = _exchange(sock, _post(token, b"y" * 20000), 1)
-            assert status == 413
-            [(status, _, _)] = _exchange(sock, _post(token, b"four"), 1)
-            assert status == 201
-            # Adopted by the event loop again: a request in pieces, a pause between them.
-            request = _post(token, b"in pieces")
-            sock.sendall(request[:30])
-            time.sleep(0.3)
-            sock.sendall(request[30:-4])
-            time.sleep(0.3)
-            [(status, _, _)] = _exchange(sock, request[-4:], 1)
-            assert status == 201
-            # A request that stalls half-way: the connection is closed (READ_TIMEOUT, 5 s).
-            sock.sendall(request[:40])
-            sock.settimeout(10)
-            started = time.monotonic()
-            assert sock.recv(100) == b""
-            assert 4 < time.monotonic() - started < 9
-        # HTTP/1.0 and Connection: close are answered, then the connection ends.
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-            [(status, close_head, _)] = _exchange(
-                sock, _post(token, b"five", "Connection: close"), 1
-            )
-            assert status == 201 and b"\r\nConnection: close" in close_head
-            assert sock.recv(10) == b""
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-            request = _post(token, b"six").replace(b"HTTP/1.1", b"HTTP/1.0", 1)
-            [(status, _, _)] = _exchange(sock, request, 1)
-            assert status == 201
-        assert UnifiedPushMessage.objects.count() == 7
-        log = web.log_text()
-        assert "Traceback" not in log, log[-3000:]
-        assert token not in log, "the access log names a token"
-        assert re.search(r'"POST /push/… HTTP/1.1" 201', log), log[-2000:]
+        token = new_endpoint(component).rsplit("/", 1)[1]
+        yield web, int(url.rsplit(":", 1)[1]), component, token
     finally:
         web.stop()
+
+
+def test_the_web_process_answers_posts_itself_and_hands_the_rest_back(web_endpoint):
+    web, port, _, token = web_endpoint
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        # Keep-alive, then two requests pipelined in one write, then the rest.
+        [(status, first_head, _)] = _exchange(sock, _post(token, b"one", "TTL: 30"), 1)
+        assert status == 201
+        assert b"\r\nTTL: 30" in first_head and b"\r\nLocation: " in first_head
+        assert b"\r\nX-Content-Type-Options: nosniff" in first_head
+        answers = _exchange(sock, _post(token, b"two") + _post(token, b"three"), 2)
+        assert [a[0] for a in answers] == [201, 201]
+        # GET on the same connection goes through gunicorn and Django: discovery.
+        [(status, _, body)] = _exchange(
+            sock, head(f"GET /push/{token} HTTP/1.1", "Host: localhost") + b"\r\n\r\n", 1
+        )
+        assert status == 200 and b'"unifiedpush"' in body
+        # Refusals answered by the shortcut: 413, 404, 400.
+        [(status, _, _)] = _exchange(sock, _post(token, b"x" * 4097), 1)
+        assert status == 413
+        [(status, _, _)] = _exchange(sock, _post(token[:-3] + "AAA", b"x"), 1)
+        assert status == 404
+        [(status, _, _)] = _exchange(sock, _post(token, b"x", "TTL: soon"), 1)
+        assert status == 400
+        # Chunked: handed back, answered by the WSGI path (411), connection still usable.
+        chunked = (
+            head(f"POST /push/{token} HTTP/1.1", "Host: localhost", "Transfer-Encoding: chunked")
+            + b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+        )
+        [(status, _, _)] = _exchange(sock, chunked, 1)
+        assert status == 411
+        # A body bigger than any push: handed back, gunicorn reads and refuses it.
+        [(status, _, _)] = _exchange(sock, _post(token, b"y" * 20000), 1)
+        assert status == 413
+        [(status, _, _)] = _exchange(sock, _post(token, b"four"), 1)
+        assert status == 201
+        # Adopted by the event loop again: a request in pieces, a pause between them.
+        request = _post(token, b"in pieces")
+        sock.sendall(request[:30])
+        time.sleep(0.3)
+        sock.sendall(request[30:-4])
+        time.sleep(0.3)
+        [(status, _, _)] = _exchange(sock, request[-4:], 1)
+        assert status == 201
+        # A request that stalls half-way: the connection is closed (READ_TIMEOUT, 5 s).
+        sock.sendall(request[:40])
+        sock.settimeout(10)
+        started = time.monotonic()
+        assert sock.recv(100) == b""
+        assert 4 < time.monotonic() - started < 9
+    # HTTP/1.0 and Connection: close are answered, then the connection ends.
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        [(status, close_head, _)] = _exchange(sock, _post(token, b"five", "Connection: close"), 1)
+        assert status == 201 and b"\r\nConnection: close" in close_head
+        assert sock.recv(10) == b""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        request = _post(token, b"six").replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+        [(status, _, _)] = _exchange(sock, request, 1)
+        assert status == 201
+    assert UnifiedPushMessage.objects.count() == 7
+    log = web.log_text()
+    assert "Traceback" not in log, log[-3000:]
+    assert token not in log, "the access log names a token"
+    assert re.search(r'"POST /push/… HTTP/1.1" 201', log), log[-2000:]
+
+
+def test_a_component_saved_before_urls_were_checked_gets_answers_on_every_path(web_endpoint):
+    """Its stored URL has a non-ASCII host: every POST is still answered at once (201 with
+    the ASCII Location), on a new connection (a pool thread), a kept-alive one (the event
+    loop), HTTP/1.0 and a pipelined request (gunicorn and the WSGI fast path). Before, the
+    answer failed after the message was handled: closed, or, kept alive, never answered."""
+    web, port, component, token = web_endpoint
+    Component.objects.filter(pk=component.pk).update(
+        unifiedpush_endpoint_url="http://пример.example"
+    )
+    location = b"\r\nLocation: http://xn--e1afmkfd.example/push/message/"
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        # A refusal keeps the connection: the event loop serves it from here on.
+        [(status, _, _)] = _exchange(sock, _post(token, b"x", "TTL: soon"), 1)
+        assert status == 400
+        for body in (b"first", b"second"):
+            [(status, answer_head, _)] = _exchange(sock, _post(token, body), 1)
+            assert status == 201 and location in answer_head
+        # Pipelined behind a refusal: read ahead, so gunicorn and the WSGI path answer it.
+        answers = _exchange(sock, _post(token, b"x", "TTL: soon") + _post(token, b"3rd"), 2)
+        assert [answer[0] for answer in answers] == [400, 201]
+        assert location in answers[1][1]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        [(status, answer_head, _)] = _exchange(sock, _post(token, b"fourth"), 1)
+        assert status == 201 and location in answer_head
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        request = _post(token, b"fifth").replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+        [(status, answer_head, _)] = _exchange(sock, request, 1)
+        assert status == 201 and location in answer_head
+    assert UnifiedPushMessage.objects.count() == 5
+    assert "Traceback" not in web.log_text(), web.log_text()[-3000:]

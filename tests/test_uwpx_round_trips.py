@@ -12,8 +12,8 @@ import pytest
 from django.db import OperationalError, close_old_connections, connection
 
 from relay.models import App, Registration, Tenant, WnsDevice
-from relay.services import uwpx
-from relay.services.uwpx import AccountRef, ErrorKind, UwpxError
+from relay.windows import services as uwpx
+from relay.windows.services import AccountRef, ErrorKind, UwpxError
 
 DEVICE_ID = "5486bd868050a620141f4e81c9f1d2c67ab0de27e5e26d218ca41c9394ee806b"
 CHANNEL = "https://db5p.notify.windows.com/?token=AwYAAAD8sXKQxmVlUmNhQ%2bjNMKn6"

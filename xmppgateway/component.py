@@ -27,7 +27,7 @@ from xmppgateway.stream import ACCEPT_NS, GuardedStream, StreamLimits
 
 log = logging.getLogger(__name__)
 
-# A hook that takes a raw stanza the gateway routes elsewhere (xmppgateway.unifiedpush); True
+# A hook that takes a raw stanza the gateway routes to a feature (xmppgateway.features); True
 # means it was taken.
 StanzaHook = Callable[[ET.Element], bool]
 
@@ -124,6 +124,7 @@ class PushComponent(GuardedStream):
         answer_timeout: float = 15.0,
         accept_publish: handlers.AcceptPublish | None = None,
         iq_set_handlers: Mapping[str, handlers.IqHandler] | None = None,
+        disco_features: handlers.DiscoFeatures | None = None,
         on_iq_answer: StanzaHook | None = None,
         on_presence: StanzaHook | None = None,
     ) -> None:
@@ -143,6 +144,7 @@ class PushComponent(GuardedStream):
             run_blocking=run_blocking,
             accept_publish=accept_publish,
             iq_set_handlers=iq_set_handlers or {},
+            disco_features=disco_features or handlers.no_disco_features,
         )
         self._on_iq_answer = on_iq_answer
         self._on_presence = on_presence

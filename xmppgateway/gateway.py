@@ -37,12 +37,10 @@ from relay.probes import ProbeServer
 from relay.services import health, link_leases, links, publishing, tallies
 from relay.services.publishing import Publish, Verdict
 from relay.services.queue import QueueUnavailable
-from relay.services.unifiedpush.channel import parse_bind
-from xmppgateway.channel import ChannelServer
+from xmppgateway import features
 from xmppgateway.component import PushComponent
 from xmppgateway.handlers import RunBlocking, Unavailable
 from xmppgateway.stream import StreamLimits
-from xmppgateway.unifiedpush import UnifiedPushRelay
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +90,10 @@ class Link:
 
     def drop(self) -> None:
         """Cut the link now, no goodbye: its lease may run out before a graceful close ends.
-        UnifiedPush stops sending over it at once; `stop()` still has to be awaited."""
+        The features stop sending over it at once; `stop()` still has to be awaited."""
         self._stopping = True
-        self.gateway.unifiedpush.link_down(self.component.pk)
+        for feature in self.gateway.features:
+            feature.link_down(self.component.pk)
         xmpp = self.xmpp
         if xmpp is not None:
             xmpp.cancel_connection_attempt()
@@ -130,8 +129,11 @@ class Link:
         ended: asyncio.Future[str] = loop.create_future()
         stream_error: list[str] = []
         was_up = False
-        relay = self.gateway.unifiedpush
+        plugged = self.gateway.features
         component_id = self.component.pk
+        iq_set_handlers = {
+            tag: handler for each in plugged for tag, handler in each.iq_set_handlers().items()
+        }
         xmpp = PushComponent(
             self.component,
             run_blocking=self.gateway.run_blocking,
@@ -142,9 +144,12 @@ class Link:
             ),
             max_in_flight=conf.current().link_max_in_flight,
             accept_publish=self.gateway.publishes.accept,
-            iq_set_handlers=relay.iq_set_handlers(),
-            on_iq_answer=lambda xml: relay.on_iq_answer(component_id, xml),
-            on_presence=lambda xml: relay.on_presence(component_id, xml),
+            iq_set_handlers=iq_set_handlers,
+            disco_features=lambda component: [
+                var for feature in plugged for var in feature.disco_features(component)
+            ],
+            on_iq_answer=lambda xml: any(f.on_iq_answer(component_id, xml) for f in plugged),
+            on_presence=lambda xml: any(f.on_presence(component_id, xml) for f in plugged),
         )
         self.xmpp = xmpp
 
@@ -156,7 +161,8 @@ class Link:
             nonlocal was_up
             was_up = True
             self.up.set()
-            relay.link_up(component_id, self.component.jid, xmpp)
+            for feature in plugged:
+                feature.link_up(component_id, self.component.jid, xmpp)
             log.info("link.up", extra={"component_id": self.component.pk})
             self._report = asyncio.ensure_future(
                 self.gateway.report(self.component, LinkState.UP, "")
@@ -178,7 +184,8 @@ class Link:
             reason = await ended
         finally:
             self.up.clear()
-            relay.link_down(component_id)
+            for feature in plugged:
+                feature.link_down(component_id)
             xmpp.cancel_connection_attempt()
             if xmpp.transport is not None:
                 xmpp.abort()
@@ -316,8 +323,8 @@ class Gateway:
         self.links: dict[int, Link] = {}
         self.synced = False
         self.stopped = asyncio.Event()
-        self.unifiedpush = UnifiedPushRelay(self.run_blocking)
-        self.channel: ChannelServer | None = None
+        self.features = features.load(self.run_blocking)
+        self.announced = ""  # where web processes reach our features (the leases carry it)
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ORM and broker calls off the event loop; their outages become `Unavailable`."""
@@ -359,7 +366,7 @@ class Gateway:
                 link_leases.lease_round,
                 gateway=self.name,
                 ttl=self.lease_seconds,
-                channel=self.channel.address if self.channel is not None else "",
+                channel=self.announced,
             )
         except Unavailable:
             log.warning("gateway.lease_round_failed")
@@ -464,8 +471,12 @@ class Gateway:
         )
         probes.start()
         log.info("gateway.started", extra={"gateway": self.name})
-        await self.start_channel()
-        unifiedpush = asyncio.create_task(self.unifiedpush.run(self.stopped), name="unifiedpush")
+        for feature in self.features:
+            self.announced = self.announced or await feature.start()
+        plugged = [
+            asyncio.create_task(feature.run(self.stopped), name=type(feature).__name__)
+            for feature in self.features
+        ]
         watchdog = asyncio.create_task(self.watchdog(), name="lease-watchdog")
         tally_writer = asyncio.create_task(self.write_tallies(), name="tally-writer")
         while not self.stopped.is_set():
@@ -473,30 +484,13 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopped.wait(), timeout=self.poll_seconds)
         await watchdog
-        await self.shutdown(unifiedpush)
-        if self.channel is not None:
-            await self.channel.stop()
+        await self.shutdown(plugged)
+        for feature in self.features:
+            await feature.stop()
         await tally_writer
         probes.stop()
 
-    async def start_channel(self) -> None:
-        """The direct path's listener (xmppgateway/channel.py), announced with our leases; a
-        gateway that cannot listen still relays, every message through the store."""
-        relay = conf.current()
-        if relay.unifiedpush_direct_seconds <= 0:
-            return
-        bind = parse_bind(relay.unifiedpush_channel)  # checked at start-up (relay.E012)
-        if bind is None:
-            return
-        server = ChannelServer(bind, self.unifiedpush.offer)
-        try:
-            await server.start()
-        except OSError as error:
-            log.error("unifiedpush.channel_failed", extra={"error_type": type(error).__name__})
-            return
-        self.channel = server
-
-    async def shutdown(self, unifiedpush: asyncio.Task[None] | None = None) -> None:
+    async def shutdown(self, plugged: list[asyncio.Task[None]] | None = None) -> None:
         log.info("gateway.stopping", extra={"links": len(self.links)})
         # No more renewals: every link must be closed before its lease could run out.
         now = time.monotonic()
@@ -507,8 +501,8 @@ class Gateway:
         await asyncio.gather(
             *(link.stop(grace=grace) for link in links_to_stop),
             *self.stopping.values(),
-            *([unifiedpush] if unifiedpush is not None else []),  # its last writes need
-            return_exceptions=True,  # the executor closed below
+            *(plugged or []),  # the features' last writes need the executor closed below
+            return_exceptions=True,
         )
         # The last publishes were answered: their tallies are written before the threads go.
         with contextlib.suppress(Unavailable):

@@ -20,7 +20,6 @@ from slixmpp.jid import JID, InvalidJID
 
 from relay.models import Component, Service
 from relay.services import channels, publishing, registrations
-from relay.services.unifiedpush import UP_NS
 from xmppgateway.stanzas import (
     COMMANDS_NS,
     DATA_NS,
@@ -40,6 +39,12 @@ T = TypeVar("T")
 RunBlocking = Callable[..., Awaitable[Any]]
 # Accepts one publish, possibly batched with others (xmppgateway.gateway.PublishBatcher).
 AcceptPublish = Callable[[publishing.Publish], Awaitable[publishing.Verdict]]
+# What the features announce in disco#info for a component (xmppgateway.features).
+DiscoFeatures = Callable[[Component], list[str]]
+
+
+def no_disco_features(component: Component) -> list[str]:
+    return []
 
 
 class Unavailable(Exception):
@@ -98,8 +103,10 @@ class LinkContext:
     max_field_length: int
     run_blocking: RunBlocking
     accept_publish: AcceptPublish | None = None
-    # iq-set payloads by qualified tag, served elsewhere (the UnifiedPush register iq).
+    # iq-set payloads by qualified tag that features serve (xmppgateway.features).
     iq_set_handlers: Mapping[str, IqHandler] = field(default_factory=dict)
+    # What disco#info announces for the features on this component.
+    disco_features: DiscoFeatures = no_disco_features
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +122,7 @@ class Request:
 Pending = Coroutine[Any, Any, Answer]
 Outcome = Answer | Pending
 Handler = Callable[[LinkContext, Request], Outcome]
-# A handler for an iq-set payload another module serves (xmppgateway.unifiedpush).
+# A handler for an iq-set payload a feature serves (xmppgateway.features).
 IqHandler = Callable[[LinkContext, JID, ET.Element], Outcome]
 
 
@@ -137,8 +144,7 @@ def disco_info(ctx: LinkContext, request: Request) -> Answer:
         features = [DISCO_INFO_NS, DISCO_ITEMS_NS]
         if ctx.component.serves_p2:
             features += [PUSH_NS, COMMANDS_NS, DATA_NS]
-        if ctx.component.serves_unifiedpush:
-            features.append(UP_NS)
+        features += ctx.disco_features(ctx.component)
     elif node == COMMANDS_NS:
         ET.SubElement(
             reply, q(DISCO_INFO_NS, "identity"), {"category": "automation", "type": "command-list"}
@@ -198,7 +204,7 @@ def command(ctx: LinkContext, request: Request) -> Outcome:
     if spec is None:
         return error(*ITEM_NOT_FOUND, "unknown command")
     if not ctx.component.serves_p2:
-        return error(*SERVICE_UNAVAILABLE, "this component serves UnifiedPush only")
+        return error(*SERVICE_UNAVAILABLE, "this component does not serve the push commands")
     action = element.get("action", "execute")
     session_id = element.get("sessionid") or secrets.token_hex(8)
     if action == "cancel":
@@ -299,7 +305,7 @@ def publish(ctx: LinkContext, request: Request) -> Outcome:
     if sender.resource:
         return error(*FORBIDDEN, "publish from a full JID")
     if not ctx.component.serves_p2:
-        return error(*ITEM_NOT_FOUND, "this component serves UnifiedPush only")
+        return error(*ITEM_NOT_FOUND, "this component does not serve push notifications")
     try:
         payload = parse_publish(request.payload, max_length=ctx.max_field_length)
     except BadRequest as bad:

@@ -10,8 +10,8 @@ own staff look after their part and nothing else.
   admin must not invent one.
 
 One module per thing administered: tenants, applications (apps and their credentials),
-components, registrations, deliveries (and dead letters), unifiedpush, staff (the operator's
-own pages), reports; `base` holds the building blocks. The site itself (`relay.admin_site`),
+components, registrations, deliveries (and dead letters), staff (the operator's own pages),
+reports; `base` holds the building blocks. The site itself (`relay.admin_site`),
 its charts and its AppConfig stay outside this package: Django imports the site while it sets
 up `admin.site`, and importing anything inside this package first registers every part, which
 would set up a second site.
@@ -25,5 +25,4 @@ from relay.admin import (  # noqa: F401
     registrations,
     staff,
     tenants,
-    unifiedpush,
 )

@@ -30,7 +30,6 @@ from relay.models import (
     Component,
 )
 from relay.services import link_leases, onboarding
-from relay.services.provisioning import validate_unifiedpush_url
 
 
 # --------------------------------------------------------------------------- components
@@ -79,12 +78,8 @@ class ComponentForm(forms.ModelForm):
         if app is not None and tenant_id is not None and app.tenant_id != tenant_id:
             self.add_error("app", "This app belongs to another tenant.")
         # Read-only fields (operator-only) are not in the form: fall back to the instance.
+        # The URL itself is checked and put in ASCII by the model (Component.clean_fields).
         url = cleaned.get("unifiedpush_endpoint_url", self.instance.unifiedpush_endpoint_url)
-        if url:
-            try:
-                validate_unifiedpush_url(url)
-            except forms.ValidationError as error:
-                self.add_error("unifiedpush_endpoint_url", error)
         has_app = app is not None if "app" in self.fields else self.instance.app_id is not None
         if not has_app and not url:
             raise forms.ValidationError(

@@ -7,7 +7,7 @@ each send, `relay.providers.wns.channel_uri_allowed` with the app's hosts from
 `relay.services.credentials.configs.wns_channel_hosts`, and refuses with a text that says what is
 wrong. Both ways in use it: the ad-hoc command `register-push-wns`
 (`relay.services.registrations.register_device`) and the Windows API
-(`relay.services.uwpx`).
+(`relay.windows.services`).
 
 Channel host patterns (the app's "WNS channel hosts", one per line, or the site default
 `RELAY_WNS_CHANNEL_HOSTS`):

@@ -23,14 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 from django.core.exceptions import ValidationError
-from django.core.validators import URLValidator
 from django.db import transaction
 from slixmpp.jid import JID, InvalidJID
 
+from relay import endpoint_urls
 from relay.crypto import EncryptedTextField
 from relay.models import App, Component, Tenant
 from relay.services import onboarding
@@ -418,22 +417,11 @@ def _unifiedpush_fields(doc: dict[str, Any], where: str) -> dict[str, Any]:
     here = f"{where}.unifiedpush"
     section = _mapping(section, here)
     _known_keys(section, _UNIFIEDPUSH_KEYS, here)
-    url = _text(section, "endpoint_url", here)
     try:
-        validate_unifiedpush_url(url)
+        url = endpoint_urls.normalized(_text(section, "endpoint_url", here))
     except ValidationError as error:
         raise ProvisioningError(f"{here}.endpoint_url: {error.messages[0]}") from None
     days = section.get("token_lifetime_days", 7)
     if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 365:
         raise ProvisioningError(f"{here}.token_lifetime_days: expected a number of days, 1 to 365")
     return {"unifiedpush_endpoint_url": url, "unifiedpush_token_lifetime_days": days}
-
-
-def validate_unifiedpush_url(url: str) -> None:
-    """An http(s) base URL without query or fragment: endpoints are `<url>/push/<token>`."""
-    URLValidator(schemes=["https", "http"])(url)
-    parts = urlsplit(url)
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise ValidationError("a base URL without user, query or fragment")
-    if len(url) > 200:
-        raise ValidationError("at most 200 characters (an endpoint may not exceed 1000 bytes)")

@@ -338,7 +338,7 @@ def _check(
         log.debug("publish.forbidden", extra={"component": publish.component_id})
         return Verdict.FORBIDDEN
     if not domain:
-        # The UWPX client names accounts by hash only (relay.services.uwpx): the first server
+        # The UWPX client names accounts by hash only (relay.windows.services): the first server
         # to publish with the right node and secret owns the registration from now on.
         try:
             Registration.objects.filter(pk=registration.pk, account_domain="").update(

@@ -27,6 +27,16 @@ class ReportsFailed(RuntimeError):
     """The job exited with an error; its last lines say why."""
 
 
+class ReportsRefused(ReportsFailed):
+    """The job refused to run: a setting it cannot use, or a database it cannot reach. The
+    message is the job's one line saying which (never a password)."""
+
+
+# The job's exit status, and the start of its one line on stderr, when it refuses to run.
+REFUSED_STATUS = 2
+REFUSED_PREFIX = "analytics.jobs: "
+
+
 def job_argv(
     *,
     since: date | None = None,
@@ -74,6 +84,10 @@ def run_reports(
                 output(line)
     if process.returncode != 0:
         log.error("reports.failed", extra={"returncode": process.returncode})
+        if process.returncode == REFUSED_STATUS:
+            for line in reversed(lines):
+                if line.startswith(REFUSED_PREFIX):
+                    raise ReportsRefused(line.removeprefix(REFUSED_PREFIX))
         raise ReportsFailed("\n".join(lines[-20:]) or f"exit status {process.returncode}")
     log.info("reports.done", extra={"lines": len(lines)})
     return len(lines)

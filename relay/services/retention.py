@@ -2,7 +2,8 @@
 
 Deleted in small id ranges, each its own short transaction, so no lock is held for long and
 the relay keeps writing meanwhile. The daily report aggregates are kept (they are small, and
-they are what tenants are billed on).
+they are what tenants are billed on): before deleting, each table's cut is recorded
+(`RetentionCut`), and the reports never recompute a day the cut reaches into.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db import models
+from django.db import models, transaction
 from django.db.models import Max, Min
 from django.utils import timezone
 
 from relay import conf
 from relay.models import Delivery
-from relay.report_models import PublishTally, RegistrationEvent
+from relay.report_models import PublishTally, RegistrationEvent, RetentionCut
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ def prune_table(
     low, high = bounds["low"], bounds["high"]
     if low is None:
         return 0
+    record_cut(model._meta.db_table, cutoff)
     deleted = 0
     start = low
     while start <= high:
@@ -64,6 +66,17 @@ def prune_table(
         start = end + 1
     log.info("retention.pruned", extra={"table": model._meta.db_table, "rows": deleted})
     return deleted
+
+
+def record_cut(table: str, cutoff: datetime) -> None:
+    """Move `table`'s cut to `cutoff` (never back): committed before any row goes."""
+    with transaction.atomic():
+        cut, created = RetentionCut.objects.select_for_update().get_or_create(
+            table_name=table, defaults={"pruned_before": cutoff}
+        )
+        if not created and cut.pruned_before < cutoff:
+            cut.pruned_before = cutoff
+            cut.save(update_fields=["pruned_before"])
 
 
 def prune(

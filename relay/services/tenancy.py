@@ -27,7 +27,6 @@ from relay.models import (
     Registration,
     Tenant,
     TenantStaffGroup,
-    UnifiedPushDelivery,
     WnsDevice,
 )
 
@@ -47,7 +46,6 @@ TENANT_PATHS: dict[type[models.Model], str] = {
     Delivery: "tenant",
     DeadLetter: "tenant",
     TenantStaffGroup: "tenant",
-    UnifiedPushDelivery: "tenant",
 }
 
 # What a new tenant staff group may do; credentials stay write-only for them in any case, and
@@ -67,8 +65,23 @@ DEFAULT_STAFF_PERMISSIONS: tuple[str, ...] = (
     "view_delivery",
     "view_deadletter",
     "change_deadletter",
-    "view_unifiedpushdelivery",
 )
+# Feature apps' permissions a new staff group gets too, as (app label, codename).
+_FEATURE_STAFF_PERMISSIONS: list[tuple[str, str]] = []
+
+
+def register_tenant_owned(
+    model: type[models.Model], path: str, *, staff_permissions: Iterable[str] = ()
+) -> None:
+    """A feature app's model that belongs to a tenant (through `path`), declared in its
+    AppConfig.ready: the admin scopes it like the core's, and new staff groups get
+    `staff_permissions` (codenames of the model's app)."""
+    TENANT_PATHS[model] = path
+    label = model._meta.app_label
+    for codename in staff_permissions:
+        if (label, codename) not in _FEATURE_STAFF_PERMISSIONS:
+            _FEATURE_STAFF_PERMISSIONS.append((label, codename))
+
 
 _CACHE_ATTRIBUTE = "_relay_tenant_scope"
 
@@ -180,9 +193,11 @@ def create_staff_group(
         ).exists()
     ):
         raise ValueError(f"the group {group.name!r} holds the operator permission")
-    group.permissions.add(
-        *Permission.objects.filter(content_type__app_label="relay", codename__in=permissions)
-    )
+    wanted = Q(content_type__app_label="relay", codename__in=permissions)
+    if permissions is DEFAULT_STAFF_PERMISSIONS:
+        for label, codename in _FEATURE_STAFF_PERMISSIONS:
+            wanted |= Q(content_type__app_label=label, codename=codename)
+    group.permissions.add(*Permission.objects.filter(wanted))
     TenantStaffGroup.objects.update_or_create(group=group, defaults={"tenant": tenant})
     return group
 

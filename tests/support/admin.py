@@ -30,10 +30,10 @@ from relay.models import (
     Service,
     Tenant,
     TenantStaffGroup,
-    UnifiedPushDelivery,
 )
 from relay.services import tenancy
 from relay.services.queue import SendJob
+from relay.unifiedpush.models import UnifiedPushDelivery
 
 STRONG_PASSWORD = "correct horse battery staple 42"
 

@@ -136,8 +136,6 @@ test_database_url.__test__ = False  # type: ignore[attr-defined]  # a helper, no
 
 def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[ServiceProcess, str]:
     """The web process as the Procfile runs it (gunicorn), on a free port; and its base URL."""
-    import urllib.request
-
     from tests.support.ports import free_port
 
     port = free_port()
@@ -149,6 +147,26 @@ def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[Servic
          "--access-logfile", "-", "--config", "python:pushsite.gunicorn_conf"],
         service_env(**env),
     )  # fmt: skip
+    return web, _ready(web, port)
+
+
+def start_dev_server(**env: str) -> tuple[ServiceProcess, str]:
+    """Django's development server (`manage.py runserver`) on a free port; and its base URL."""
+    from tests.support.ports import free_port
+
+    port = free_port()
+    web = ServiceProcess(
+        "runserver",
+        [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"],
+        service_env(**env),
+    )
+    return web, _ready(web, port)
+
+
+def _ready(web: ServiceProcess, port: int) -> str:
+    """The base URL, once /healthz answers."""
+    import urllib.request
+
     base_url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
@@ -160,4 +178,4 @@ def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[Servic
             return False
 
     wait_until(ready, timeout=30)
-    return web, base_url
+    return base_url

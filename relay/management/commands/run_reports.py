@@ -38,5 +38,7 @@ class Command(BaseCommand):
                 force=options["force"],
                 output=lambda line: self.stdout.write(line),
             )
+        except reports.ReportsRefused as error:
+            raise CommandError(f"the reports cannot run: {error}") from None
         except reports.ReportsFailed as error:
             raise CommandError(f"the reports failed:\n{error}") from None

@@ -1,6 +1,6 @@
 """UnifiedPush in the gateway: the register iq, and relaying stored messages to phones.
 
-The web process stores each POST (`relay.services.unifiedpush.store`) and wakes us: on
+The web process stores each POST (`relay.unifiedpush.services.store`) and wakes us: on
 PostgreSQL with NOTIFY (the payload carries the sealed message, so nothing is read back), and
 on every database with a periodic sweep for messages that are due (the only wake-up on
 SQLite, hence a short interval there). We send each message as `<push>` iq on the link of its
@@ -14,7 +14,10 @@ phone's answer (caught before slixmpp builds a stanza, see `PushComponent`) deci
   a directed presence, or a new registration shows it is back; then everything stored for
   it goes out, oldest first. A late `result` to a timed-out push still counts as delivered.
 
-State here is only a cache: after a restart the sweep finds every stored message again.
+State here is only a cache: after a restart the sweep finds every stored message again. Its
+parts: `phones` (who is held back, until when), `index` (what the direct path must not
+overtake), `wire` (the push iq, a link's writes, batched database writes), `channel` (the
+direct path's listener).
 
 With several gateways, each sends only over the links it holds (`links`, filled when a link's
 session starts and emptied when it ends or its lease is lost): NOTIFY reaches every gateway,
@@ -26,58 +29,47 @@ holder (at least once, as after a restart).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import logging
 import time
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Generic, Protocol, TypeVar
-from xml.sax.saxutils import quoteattr
+from typing import Any
 
 from django.db import connection
 from slixmpp.jid import JID
 
 from relay import conf
-from relay.models import UnifiedPushOutcome
-from relay.services.unifiedpush import UP_NS, channel, delivery, messages, registration, store
-from relay.services.unifiedpush.delivery import Fate
-from relay.services.unifiedpush.keys import Unsealable
-from relay.services.unifiedpush.store import DeliveryRecord, NewMessage, StoredMessage
+from relay.models import Component
+from relay.unifiedpush.gateway.channel import ChannelServer
+from relay.unifiedpush.gateway.index import StoredIndex
+from relay.unifiedpush.gateway.phones import PhoneKey, Phones
+from relay.unifiedpush.gateway.wire import Batch, Link, error_condition
+from relay.unifiedpush.models import UnifiedPushOutcome
+from relay.unifiedpush.services import UP_NS, channel, delivery, messages, registration, store
+from relay.unifiedpush.services.delivery import Fate
+from relay.unifiedpush.services.keys import Unsealable
+from relay.unifiedpush.services.store import DeliveryRecord, NewMessage, StoredMessage
 from xmppgateway import handlers
+from xmppgateway.features import Sender
 from xmppgateway.handlers import Answer, LinkContext, RunBlocking, Unavailable
 
 log = logging.getLogger(__name__)
 
-COMPONENT_NS = "jabber:component:accept"
-IQ_TAG = f"{{{COMPONENT_NS}}}iq"
-PRESENCE_TAG = f"{{{COMPONENT_NS}}}presence"
-ERROR_TAG = f"{{{COMPONENT_NS}}}error"
-STANZAS_NS = "urn:ietf:params:xml:ns:xmpp-stanzas"
 REGISTER_TAG = f"{{{UP_NS}}}register"
 
 MAX_IN_FLIGHT = 5000  # pushes awaiting an answer, all links; beyond, the sweep sends later
 LATE_ANSWERS = 10_000  # timed-out pushes whose late `result` still counts
-FINISH_WINDOW = 0.02  # seconds a delivered message waits to be deleted with others
-FINISH_BATCH = 500
 # A finished message stays known this long after its row is gone: a sweep or flush that read
 # it before the delete may still come back with it, and must not send it again.
 FORGET_FINISHED_SECONDS = 120.0
 SWEEP_LIMIT = 1000
 EXPIRY_SECONDS = 5.0
-# How often the index of stored messages and revocations (what the direct path must not
-# overtake or send to) is read again; between, it is kept up to date from what passes here
-# and errs only towards declining (a message ended elsewhere, by DELETE or expiry).
-INDEX_SECONDS = 30.0
 RECORDS_MAX = 100_000  # direct-path delivery records awaiting a database that is down
-
-
-class Sender(Protocol):
-    def send_raw(self, data: str | bytes) -> None: ...
 
 
 @dataclass(slots=True)
@@ -85,33 +77,6 @@ class InFlight:
     message: StoredMessage
     jid: str
     sent: float
-
-
-T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _Batch(Generic[T]):
-    """Items written together: FINISH_BATCH of them, or FINISH_WINDOW after the first."""
-
-    write: Callable[[list[T]], Any]
-    items: list[T] = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
-
-    def add(self, item: T) -> None:
-        self.items.append(item)
-        if len(self.items) >= FINISH_BATCH:
-            self.flush()
-        elif self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(FINISH_WINDOW, self.flush)
-
-    def flush(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        if self.items:
-            items, self.items = self.items, []
-            self.write(items)
 
 
 @dataclass(slots=True)
@@ -124,73 +89,6 @@ class Direct:
     timer: asyncio.TimerHandle | None = None
     storing: bool = False
     answer: Fate | None = None  # an answer that came while it was being stored
-
-
-@dataclass(slots=True)
-class Recipient:
-    """A phone that did not take its last push: held back until `retry_at` or its return."""
-
-    failures: int = 0
-    retry_at: float = 0.0
-    probing: bool = False
-
-
-@dataclass(slots=True)
-class _Link:
-    """A held component link. Pushes queued in one turn of the event loop leave in one
-    write: a write is a system call here and a read in the XMPP server, and under load many
-    pushes are ready in the same turn (about a third of the gateway's time was those
-    writes, py-spy, bench/unifiedpush.py)."""
-
-    sender: Sender
-    component_jid: str
-    pending: list[bytes] = field(default_factory=list)
-
-    def send(self, data: bytes) -> None:
-        if not self.pending:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self.pending.append(data)
-
-    def push(self, iq_id: str, opened: messages.Opened) -> None:
-        self.send(
-            push_iq(
-                iq_id=iq_id,
-                component_jid=self.component_jid,
-                jid=opened.jid,
-                application=opened.application,
-                instance=opened.instance,
-                body=opened.body,
-            )
-        )
-
-    def flush(self) -> None:
-        if self.pending:
-            data = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
-            self.pending.clear()
-            with contextlib.suppress(Exception):  # a link that went: its pushes go again
-                self.sender.send_raw(data)
-
-
-def push_iq(
-    *, iq_id: str, component_jid: str, jid: str, application: bytes, instance: bytes, body: bytes
-) -> bytes:
-    """The `<push>` iq of the `up` protocol, as bytes for the transport."""
-    return (
-        f"<iq type='set' id='{iq_id}' from={quoteattr(component_jid)} to={quoteattr(jid)}>"
-        f"<push xmlns='{UP_NS}' application='{base64.b64encode(application).decode()}' "
-        f"instance='{base64.b64encode(instance).decode()}'>{base64.b64encode(body).decode()}"
-        "</push></iq>"
-    ).encode()
-
-
-def error_condition(iq: ET.Element) -> str | None:
-    error = iq.find(ERROR_TAG)
-    if error is None:
-        return None
-    for child in error:
-        if child.tag.startswith(f"{{{STANZAS_NS}}}") and not child.tag.endswith("}text"):
-            return child.tag.split("}", 1)[1]
-    return None
 
 
 def _listen_params() -> dict[str, Any]:
@@ -211,45 +109,65 @@ class UnifiedPushRelay:
     retry_base: float = field(default_factory=lambda: conf.current().unifiedpush_retry_base_seconds)
     retry_max: float = field(default_factory=lambda: conf.current().unifiedpush_retry_max_seconds)
     sweep_seconds: float = field(default_factory=lambda: conf.current().unifiedpush_sweep_seconds)
-    links: dict[int, _Link] = field(default_factory=dict)
+    links: dict[int, Link] = field(default_factory=dict)
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     late: OrderedDict[str, InFlight] = field(default_factory=OrderedDict)
     known: set[int] = field(default_factory=set)
-    recipients: dict[tuple[int, str], Recipient] = field(default_factory=dict)
-    _finishes: _Batch[tuple[str, int]] = field(init=False)
+    phones: Phones = field(default_factory=Phones)
+    index: StoredIndex = field(default_factory=StoredIndex)
+    _finishes: Batch[tuple[str, int]] = field(init=False)
     _sweep_wanted: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _last_expiry: float = 0.0
     _stopping: bool = False
-    # The direct path: offered messages awaiting the phone, and what it must respect.
+    # The direct path: offered messages awaiting the phone.
     direct_window: float = field(default_factory=lambda: conf.current().unifiedpush_direct_seconds)
     direct: dict[str, Direct] = field(default_factory=dict)
-    stored_ids: dict[tuple[int, str], set[int]] = field(default_factory=dict)
-    stored_key: dict[int, tuple[int, str]] = field(default_factory=dict)
-    revoked: set[str] = field(default_factory=set)
-    indexed: set[int] = field(default_factory=set)
-    _index_log: list[tuple[str, Any]] | None = None
-    _last_index: float = 0.0
     _direct_count: int = 0
-    _records: _Batch[DeliveryRecord] = field(init=False)
+    _records: Batch[DeliveryRecord] = field(init=False)
+    _channel_server: ChannelServer | None = None
 
     def __post_init__(self) -> None:
-        self._finishes = _Batch(self._write_finishes)
-        self._records = _Batch(lambda records: self._spawn(self._write_records(records)))
+        self._finishes = Batch(self._write_finishes)
+        self._records = Batch(lambda records: self._spawn(self._write_records(records)))
 
-    # --- wiring (xmppgateway.gateway)
+    # --- plugged into the gateway (xmppgateway.features)
 
     def iq_set_handlers(self) -> dict[str, handlers.IqHandler]:
         return {REGISTER_TAG: self.register}
 
+    def disco_features(self, component: Component) -> list[str]:
+        return [UP_NS] if component.serves_unifiedpush else []
+
+    async def start(self) -> str:
+        """The direct path's listener (`gateway.channel`), announced with the gateway's
+        leases; a gateway that cannot listen still relays, every message through the store."""
+        if self.direct_window <= 0:
+            return ""
+        bind = channel.parse_bind(conf.current().unifiedpush_channel)  # checked (relay.E012)
+        if bind is None:
+            return ""
+        server = ChannelServer(bind, self.offer)
+        try:
+            await server.start()
+        except OSError as error:
+            log.error("unifiedpush.channel_failed", extra={"error_type": type(error).__name__})
+            return ""
+        self._channel_server = server
+        return server.address
+
+    async def stop(self) -> None:
+        if self._channel_server is not None:
+            await self._channel_server.stop()
+
     def link_up(self, component_id: int, component_jid: str, sender: Sender) -> None:
-        self.links[component_id] = _Link(sender, component_jid)
+        self.links[component_id] = Link(sender, component_jid)
         self._sweep_wanted.set()
 
     def link_down(self, component_id: int) -> None:
         """Answers cannot come over a dead link: its pushes go out again once it is back."""
         self.links.pop(component_id, None)
-        self.indexed.discard(component_id)
+        self.index.link_down(component_id)
         for iq_id, entry in list(self.in_flight.items()):
             if entry.message.component_id == component_id:
                 del self.in_flight[iq_id]
@@ -331,7 +249,7 @@ class UnifiedPushRelay:
         self.known.add(message.id)
         if outcome is Fate.DELIVERED:
             self._finish_later(message.id, UnifiedPushOutcome.DELIVERED)
-            if self.recipients.pop(key, None) is not None:
+            if self.phones.back([key]):
                 self._flush_soon(component_id, [message.recipient_key])
         elif outcome is Fate.REVOKED:
             self._spawn(self._revoke(message))
@@ -353,16 +271,12 @@ class UnifiedPushRelay:
             self.recipient_back(component_id, sender)
         else:
             for key in messages.recipient_keys(sender):
-                state = self.recipients.setdefault((component_id, key), Recipient())
-                state.failures = max(state.failures, 1)
-                state.retry_at = time.monotonic() + self.retry_max
-                state.probing = False
+                self.phones.went_away((component_id, key), hold=self.retry_max)
         return True
 
     def recipient_back(self, component_id: int, jid: str) -> None:
         keys = messages.recipient_keys(jid)
-        for key in keys:
-            self.recipients.pop((component_id, key), None)
+        self.phones.back((component_id, key) for key in keys)
         self._flush_soon(component_id, keys)
 
     # --- sending
@@ -371,21 +285,23 @@ class UnifiedPushRelay:
         """Send a stored message now if its phone and link allow it; otherwise it waits."""
         if message.id in self.known:
             return
-        self._mark(message.component_id, message.recipient_key, message.id)
+        key = (message.component_id, message.recipient_key)
+        self.index.seen_stored(key, message.id)
         link = self.links.get(message.component_id)
         if link is None or len(self.in_flight) >= MAX_IN_FLIGHT:
             return
-        key = (message.component_id, message.recipient_key)
-        state = self.recipients.get(key)
-        held = state is not None and (state.probing or time.monotonic() < state.retry_at)
-        if held and not flush:
+        state = self.phones.away.get(key)
+        if self.phones.held(key) and not flush:
+            if datetime.now(UTC) >= message.expires:
+                # Its TTL ran out while the phone was away (TTL 0: the phone is away now,
+                # RFC 8030 5.2): never delivered later, even if the phone is back in a moment.
+                self.known.add(message.id)
+                self._finish_later(message.id, UnifiedPushOutcome.EXPIRED)
             return
         if not flush:
-            if message.component_id not in self.indexed:
+            if message.component_id not in self.index.indexed:
                 return  # the sweep after the index sends it, behind what it must not overtake
-            if any(
-                0 < other < message.id and other not in self.known for other in self.stored_ids[key]
-            ):
+            if self.index.older_waiting(key, message.id, self.known):
                 # Older messages of this phone wait. In backoff, this one waits behind them (it
                 # may come due a moment before the probe); with no backoff known (a restart
                 # forgot it), all of them go now, oldest first.
@@ -393,7 +309,7 @@ class UnifiedPushRelay:
                     self._flush_soon(message.component_id, [message.recipient_key])
                 return
         now = datetime.now(UTC)
-        if not delivery.sendable(message, now):
+        if not delivery.sendable(message, now, backlog=flush):
             self.known.add(message.id)
             self._finish_later(message.id, UnifiedPushOutcome.EXPIRED)
             return
@@ -435,16 +351,21 @@ class UnifiedPushRelay:
             self._spawn(self._flush(component_id, recipient_keys))
 
     async def _flush(self, component_id: int, recipient_keys: list[str]) -> None:
+        """Send everything stored for a phone, oldest first; what was marked before the read
+        and is no longer stored ended elsewhere (replaced, withdrawn, expired): unmarked."""
+        marked = self.index.marked(component_id, recipient_keys)
         try:
             stored = await self.run_blocking(
                 store.for_recipient, component_id=component_id, recipient_keys=recipient_keys
             )
         except Unavailable:
             return  # the sweep finds them later
+        for message_id in marked - {message.id for message in stored}:
+            self.index.unmark(message_id)
         for message in stored:
             self.consider(message, flush=True)
 
-    # --- the direct path (relay/services/unifiedpush/channel.py)
+    # --- the direct path (relay/unifiedpush/services/channel.py)
 
     def offer(self, message: NewMessage) -> asyncio.Future[tuple[str, int | None]]:
         """A web process offers a message: sent now, its verdict once the phone answered (or
@@ -464,20 +385,24 @@ class UnifiedPushRelay:
             link is None
             or self._stopping
             or self.direct_window <= 0
-            or message.component_id not in self.indexed
+            or message.component_id not in self.index.indexed
         ):
             return channel.NOT_HERE
-        if message.endpoint_key in self.revoked:
+        if message.endpoint_key in self.index.revoked:
             return channel.REVOKED
         key = (message.component_id, message.recipient_key)
+        if message.ttl == 0 and self.phones.in_backoff(key):
+            # The phone is away: RFC 8030 5.2, a zero TTL expires and is never delivered.
+            self._record_later(message, UnifiedPushOutcome.EXPIRED, answered=False)
+            return channel.EXPIRED
         if (
-            self.stored_ids.get(key)
-            or key in self.recipients
+            self.index.holds(key)
+            or key in self.phones.away
             or len(self.in_flight) + len(self.direct) >= MAX_IN_FLIGHT
         ):
             # What the web process stores now must not be overtaken either, even before its
-            # wake-up reaches us: the phone stays on the stored path until the next index.
-            self._mark(*key, 0)
+            # wake-up reaches us: the phone stays on the stored path until we saw it stored.
+            self.index.declined(key)
             return channel.NOT_HERE
         try:
             opened = messages.open_message(message.sealed)
@@ -550,11 +475,11 @@ class UnifiedPushRelay:
             return
         del self.direct[iq_id]
         if message_id is None:  # revoked meanwhile (another link holder's answer)
-            self._note_revoked(message.endpoint_key)
+            self.index.note_revoked(message.endpoint_key)
             _settle(entry, channel.REVOKED)
             return
         stored = _as_stored(message, message_id)
-        self._mark(message.component_id, message.recipient_key, message_id)
+        self.index.mark((message.component_id, message.recipient_key), message_id)
         self.known.add(message_id)
         _settle(entry, channel.STORED, message_id)
         outcome = entry.answer
@@ -584,7 +509,7 @@ class UnifiedPushRelay:
             )
             _settle(entry, channel.FAILED)
             return
-        self._note_revoked(message.endpoint_key)
+        self.index.note_revoked(message.endpoint_key)
         self._record_later(message, UnifiedPushOutcome.REVOKED)
         log.info("unifiedpush.revoked", extra={"component_id": message.component_id})
         _settle(entry, channel.REVOKED)
@@ -619,55 +544,29 @@ class UnifiedPushRelay:
             self._records.items[:0] = records[: RECORDS_MAX - len(self._records.items)]
             self._records.flush()
 
-    # --- what the direct path must respect: stored messages and revocations
+    # --- what the direct path must respect (index.py)
 
-    def _mark(self, component_id: int, recipient_key: str, message_id: int) -> None:
-        key = (component_id, recipient_key)
-        self.stored_ids.setdefault(key, set()).add(message_id)
-        self.stored_key[message_id] = key
-        if self._index_log is not None:
-            self._index_log.append(("mark", (key, message_id)))
-
-    def _unmark(self, message_id: int) -> None:
-        key = self.stored_key.pop(message_id, None)
-        if key is not None:
-            ids = self.stored_ids.get(key)
-            if ids is not None:
-                ids.discard(message_id)
-                if not ids:
-                    del self.stored_ids[key]
-        if self._index_log is not None:
-            self._index_log.append(("unmark", message_id))
-
-    def _note_revoked(self, endpoint_key: str) -> None:
-        self.revoked.add(endpoint_key)
-        if self._index_log is not None:
-            self._index_log.append(("revoked", endpoint_key))
+    def _settled(self, keys: Iterable[PhoneKey]) -> None:
+        """After messages of these phones ended: a phone whose remaining marks are none we
+        sent (a message replaced, withdrawn or expired meanwhile, which nobody tells us) is
+        read again, so it is back on the direct path as soon as its stored messages are out,
+        not at the next index."""
+        for key in keys:
+            if key not in self.phones.away and self.index.only_ended_elsewhere(key, self.known):
+                self._flush_soon(key[0], [key[1]])
 
     async def _index(self) -> None:
         """Read which phones have stored messages, and the revocations, again: the direct
         path opens for a component only once this has run since its link came up."""
         component_ids = list(self.links)
-        self._index_log = []
+        self.index.begin_read()
         try:
             rows = await self.run_blocking(store.stored_index, component_ids)
             revoked = await self.run_blocking(store.revoked_keys, now=datetime.now(UTC))
         except Unavailable:
+            self.index.abandon_read()
             return
-        finally:
-            log_since, self._index_log = self._index_log, None
-        self.stored_ids, self.stored_key = {}, {}
-        for message_id, component_id, recipient_key in rows:
-            self._mark(component_id, recipient_key, message_id)
-        for action, value in log_since:  # what passed here while the index was read
-            if action == "mark":
-                (component_id, recipient_key), message_id = value
-                self._mark(component_id, recipient_key, message_id)
-            elif action == "unmark":
-                self._unmark(value)
-        self.revoked = revoked | {key for action, key in log_since if action == "revoked"}
-        self.indexed = set(component_ids) & set(self.links)
-        self._last_index = time.monotonic()
+        self.index.finish_read(rows, revoked, component_ids=component_ids, held=self.links)
 
     # --- outcomes
 
@@ -676,18 +575,18 @@ class UnifiedPushRelay:
         session on the phone's server, which answers it on resumption (or bounces it when the
         session dies): sending it again soon would only queue a duplicate, so the retry then
         waits the longest backoff; a late answer, presence or registration comes first."""
-        key = (message.component_id, message.recipient_key)
-        state = self.recipients.setdefault(key, Recipient())
-        state.failures += 1
-        state.probing = False
+        state = self.phones.failed((message.component_id, message.recipient_key))
         delay = delivery.retry_delay(state.failures, base=self.retry_base, maximum=self.retry_max)
         if not answered:
             delay = self.retry_max
-        state.retry_at = time.monotonic() + delay
-        until = datetime.now(UTC) + timedelta(seconds=delay)
-        if until >= message.expires:
+        now = datetime.now(UTC)
+        if message.expires <= now:
             self._finish_later(message.id, UnifiedPushOutcome.EXPIRED)
             return
+        # Deliverable until its TTL passes: the phone's return (presence, registration, a
+        # late answer) brings it out meanwhile, and a retry never waits beyond its expiry.
+        until = min(now + timedelta(seconds=delay), message.expires)
+        state.retry_at = time.monotonic() + (until - now).total_seconds()
         self.known.discard(message.id)
         self._spawn(self._postpone(message, until))
 
@@ -713,8 +612,10 @@ class UnifiedPushRelay:
         except Unavailable:
             self.known.discard(message.id)  # retried later; the phone will refuse it again
             return
-        self._note_revoked(message.endpoint_key)
+        self.index.note_revoked(message.endpoint_key)
         self.known.discard(message.id)
+        self.index.unmark(message.id)
+        self._settled([(message.component_id, message.recipient_key)])
         log.info(
             "unifiedpush.revoked",
             extra={"component_id": message.component_id, "messages_ended": ended},
@@ -747,11 +648,11 @@ class UnifiedPushRelay:
             for message_id in ids:
                 self._finish_later(message_id, outcome)
             return
-        for message_id in ids:
-            self._unmark(message_id)
+        keys = {key for message_id in ids if (key := self.index.unmark(message_id)) is not None}
         asyncio.get_running_loop().call_later(
             FORGET_FINISHED_SECONDS, self.known.difference_update, ids
         )
+        self._settled(keys)
 
     async def _drain_finishes(self) -> None:
         pending = [task for task in self._tasks if not task.done()]
@@ -785,15 +686,12 @@ class UnifiedPushRelay:
             self.late.popitem(last=False)
 
     def _forget_old_recipients(self) -> None:
-        """Phones that never came back: their backoff state is no use once long past."""
-        horizon = time.monotonic() - 2 * self.retry_max
-        for key in [k for k, state in self.recipients.items() if state.retry_at < horizon]:
-            del self.recipients[key]
+        self.phones.forget_older_than(time.monotonic() - 2 * self.retry_max)
 
     async def _sweep(self) -> None:
         self._check_timeouts()
         self._forget_old_recipients()
-        if set(self.links) - self.indexed or time.monotonic() - self._last_index > INDEX_SECONDS:
+        if self.index.due(self.links):
             await self._index()
         now = datetime.now(UTC)
         if time.monotonic() - self._last_expiry > EXPIRY_SECONDS:

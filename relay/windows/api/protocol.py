@@ -1,6 +1,6 @@
 """One UWPX message in, one UWPX answer out: shared by the HTTP views and the TLS listener.
 
-Thin on purpose: rate limits, validation and storage live in `relay.services.uwpx`.
+Thin on purpose: rate limits, validation and storage live in `relay.windows.services`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import logging
 from django.db import DatabaseError
 
 from relay import conf
-from relay.api.schemas import (
+from relay.models import App
+from relay.windows import services as uwpx
+from relay.windows.api.schemas import (
     ErrorResponse,
     OkResponse,
     RequestTestPush,
@@ -19,9 +21,7 @@ from relay.api.schemas import (
     SetChannelUri,
     parse_message,
 )
-from relay.models import App
-from relay.services import uwpx
-from relay.services.uwpx import ErrorKind, UwpxError
+from relay.windows.services import ErrorKind, UwpxError
 
 log = logging.getLogger(__name__)
 

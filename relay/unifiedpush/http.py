@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from django.db import close_old_connections
 
-from relay.services.unifiedpush import messages
-from relay.services.unifiedpush.channel import AsyncChannels
-from relay.services.unifiedpush.messages import MAX_BODY_BYTES, PushRefused
+from relay.unifiedpush.services import messages
+from relay.unifiedpush.services.channel import AsyncChannels
+from relay.unifiedpush.services.messages import MAX_BODY_BYTES, PushRefused
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,28 @@ REASONS = {
 }
 # What Django's security middleware would add; an endpoint answer carries no markup anyway.
 SECURITY_HEADERS = [("X-Content-Type-Options", "nosniff"), ("Referrer-Policy", "same-origin")]
+CRASHED: Answer = (500, [("Content-Type", "application/json")], b"{}")
+# What a header may be on the wire (RFC 9110: a token; visible ASCII, spaces and tabs).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE = re.compile(r"[ \t\x21-\x7e]*")
+
+
+def crashed(error: BaseException) -> Answer:
+    """The 500 answer to a POST that failed unexpectedly, logged without details."""
+    log.error(
+        "unifiedpush.post_crashed", exc_info=error, extra={"error_type": type(error).__name__}
+    )
+    return CRASHED
+
+
+def sendable(answer: Answer) -> Answer:
+    """`answer`, or the 500 answer if a header could not be written as it is: whatever was
+    computed, the client gets an answer (a server refuses to send such a header and would
+    close the connection, or leave it waiting, without one)."""
+    for name, value in answer[1]:
+        if not (_HEADER_NAME.fullmatch(name) and _HEADER_VALUE.fullmatch(value)):
+            return crashed(ValueError(f"the {name} header cannot be sent"))
+    return answer
 
 
 def refused(refusal: PushRefused) -> Answer:
@@ -93,16 +116,16 @@ class FastPushPath:
         if environ.get("REQUEST_METHOD") != "POST" or not path.startswith(self.PREFIX):
             return self.application(environ, start_response)
         try:
-            status, headers, body = post(
+            answer = post(
                 token=path[len("/push/") :],
                 content_length=environ.get("CONTENT_LENGTH") or "",
                 transfer_encoding=environ.get("HTTP_TRANSFER_ENCODING", ""),
                 read=environ["wsgi.input"].read,
                 header=lambda name: environ.get("HTTP_" + name.upper()),
             )
-        except Exception as error:  # what Django would turn into a 500, logged without details
-            log.exception("unifiedpush.post_crashed", extra={"error_type": type(error).__name__})
-            status, headers, body = 500, [("Content-Type", "application/json")], b"{}"
+        except Exception as error:  # what Django would turn into a 500
+            answer = crashed(error)
+        status, headers, body = sendable(answer)
         if status >= 500:
             # What Django does at the end of every request, needed here only after a failure:
             # a connection the database dropped is closed, and the next POST opens a new one.

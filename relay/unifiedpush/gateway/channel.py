@@ -1,4 +1,4 @@
-"""The gateway's end of the direct path (relay/services/unifiedpush/channel.py): a TCP
+"""The gateway's end of the direct path (relay/unifiedpush/services/channel.py): a TCP
 listener that web processes hand UnifiedPush messages to, answered when the phone did.
 
 A plain asyncio protocol, no streams and no task per message: it is on the hot path of every
@@ -13,8 +13,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from relay.services.unifiedpush import channel
-from relay.services.unifiedpush.store import NewMessage
+from relay.unifiedpush.services import channel
+from relay.unifiedpush.services.store import NewMessage
 
 log = logging.getLogger(__name__)
 

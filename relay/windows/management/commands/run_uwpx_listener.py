@@ -3,7 +3,7 @@
 The shipped UWPX client cannot be pointed at an HTTP URL: it opens a TLS connection, sends one
 JSON message followed by a NUL byte and reads the answer (also NUL-terminated). This listener
 speaks exactly that and hands every message to the same code as the HTTP API
-(`relay.api.protocol.handle_frame`: rate limits, validation, services).
+(`relay.windows.api.protocol.handle_frame`: rate limits, validation, services).
 
 Settings (environment): UWPX_TLS_CERT_FILE and UWPX_TLS_KEY_FILE (PEM), UWPX_LISTEN_APP (the
 app's public key), UWPX_LISTEN_ADDRESS (default 127.0.0.1), UWPX_LISTEN_PORT (default 1997).
@@ -25,7 +25,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import close_old_connections
 
 from relay import conf
-from relay.api import protocol
+from relay.windows.api import protocol
 
 log = logging.getLogger("relay.uwpx_listener")
 

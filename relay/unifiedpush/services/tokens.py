@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import pyseto
 
-from relay.services.unifiedpush.keys import KeyRing, UnifiedPushKey, keyring
+from relay.unifiedpush.services.keys import KeyRing, UnifiedPushKey, keyring
 
 VERSION = 1
 _HEADER = struct.Struct(">BQI8s32s32s")

@@ -29,13 +29,14 @@ from datetime import UTC, datetime, timedelta
 
 from django.db import DatabaseError
 
-from relay import conf
-from relay.models import Component, UnifiedPushUrgency
+from relay import conf, endpoint_urls
+from relay.models import Component
 from relay.services import link_leases
-from relay.services.unifiedpush import channel, store, tokens
-from relay.services.unifiedpush.keys import KeyRing, keyring
-from relay.services.unifiedpush.limits import TokenBuckets
-from relay.services.unifiedpush.registration import PUSH_PATH
+from relay.unifiedpush.models import UnifiedPushUrgency
+from relay.unifiedpush.services import channel, store, tokens
+from relay.unifiedpush.services.keys import KeyRing, keyring
+from relay.unifiedpush.services.limits import TokenBuckets
+from relay.unifiedpush.services.registration import PUSH_PATH
 
 MAX_BODY_BYTES = 4096
 POLICY_SECONDS = 5.0  # how long a web process trusts what it read about a component
@@ -146,7 +147,8 @@ def _read_policy(component_id: int) -> Policy | None:
         tenant_id=tenant.pk,
         serves=component.enabled and component.serves_unifiedpush,
         suspended=tenant.suspended,
-        endpoint_url=component.unifiedpush_endpoint_url,
+        # ASCII even for a row saved before URLs were checked: it goes into Location.
+        endpoint_url=endpoint_urls.ascii_form(component.unifiedpush_endpoint_url),
         tenant_rate=tenant.rate_limit_per_second,
         tenant_burst=float(tenant.rate_limit_burst) if tenant.rate_limit_burst else None,
         channel=channel,
@@ -230,14 +232,17 @@ def _open_endpoint(
 
 
 def parse_ttl(value: str | None) -> int:
-    """RFC 8030 TTL (1*DIGIT), capped; no TTL gets the default."""
+    """RFC 8030 TTL (1*DIGIT, any length), capped; no TTL gets the default."""
     maximum = conf.current().unifiedpush_max_ttl_seconds
     if value is None or value.strip() == "":
         return min(maximum, conf.current().unifiedpush_default_ttl_seconds)
     value = value.strip()
-    if not value.isascii() or not value.isdigit() or len(value) > 12:
+    if not value.isascii() or not value.isdigit():
         raise PushRefused(400, "TTL must be a number of seconds")
-    return min(maximum, int(value))
+    digits = value.lstrip("0") or "0"
+    if len(digits) > len(str(maximum)):  # longer than the cap: no need to read it as a number
+        return maximum
+    return min(maximum, int(digits))
 
 
 def parse_topic(value: str | None) -> str:
@@ -515,8 +520,16 @@ def _store(prepared: Prepared) -> int:
 
 
 def discover(*, token: str, now: float | None = None) -> None:
-    """GET on an endpoint: 404 unless it is a live endpoint."""
-    open_endpoint(token, now=time.time() if now is None else now)
+    """GET on an endpoint: 404 unless it is a live endpoint, as a POST would answer (a
+    revoked endpoint too, which only the database knows)."""
+    now = time.time() if now is None else now
+    _, _, opened = _open_endpoint(token, now=now)
+    try:
+        revoked = store.is_revoked(opened.endpoint_key, now=datetime.fromtimestamp(now, UTC))
+    except DatabaseError:
+        raise PushRefused(503, "storage unavailable", retry_after=5) from None
+    if revoked:
+        raise PushRefused(NOT_FOUND, "no such endpoint")
 
 
 def withdraw(*, reference: str, now: float | None = None) -> None:

@@ -15,7 +15,7 @@ import enum
 import random
 from datetime import datetime, timedelta
 
-from relay.services.unifiedpush.store import StoredMessage
+from relay.unifiedpush.services.store import StoredMessage
 
 REVOKING_CONDITIONS = frozenset({"item-not-found", "feature-not-implemented"})
 # A fresh message is sent once even if its TTL (0, say) has passed on the way to the gateway:
@@ -45,8 +45,10 @@ def retry_delay(
     return (rng or random).uniform(step / 2, step)
 
 
-def sendable(message: StoredMessage, now: datetime) -> bool:
-    """Whether a message may still go out: before its TTL, or fresh and never tried."""
+def sendable(message: StoredMessage, now: datetime, *, backlog: bool = False) -> bool:
+    """Whether a message may still go out: before its TTL, or fresh and never tried. A
+    backlog (what was stored for a phone that was away, brought out when it is back) is
+    never fresh: a TTL that passed meanwhile ended the message (RFC 8030 5.2)."""
     if now < message.expires:
         return True
-    return message.attempts == 0 and now - message.received < FIRST_ATTEMPT_GRACE
+    return not backlog and message.attempts == 0 and now - message.received < FIRST_ATTEMPT_GRACE

@@ -1,11 +1,11 @@
 """The UWPX-style registration protocol of Windows clients (docs/protocols.md section 3).
 
-Both entry points, the HTTP API (`relay.api`) and the TLS listener (`run_uwpx_listener`), call
-these functions: they validate, store and queue, and raise `UwpxError` carrying the text the
-client is shown. The device id is the client's only capability, so only its SHA-256 is stored,
-a device is found by that hash (a timing difference in the index lookup cannot reveal the id)
-and the final equality checks use `hmac.compare_digest`. Nothing here logs a device id, a
-channel URI, a JID, a node or a secret.
+Both entry points, the HTTP API (`relay.windows.api`) and the TLS listener
+(`run_uwpx_listener`), call these functions: they validate, store and queue, and raise
+`UwpxError` carrying the text the client is shown. The device id is the client's only
+capability, so only its SHA-256 is stored, a device is found by that hash (a timing difference
+in the index lookup cannot reveal the id) and the final equality checks use
+`hmac.compare_digest`. Nothing here logs a device id, a channel URI, a JID, a node or a secret.
 
 Accounts are named by a bare JID (the documented protocol) or, as the shipped UWPX client
 does, by its account id, `sha256_hex(device_id + bare_jid)`. An account named by its id has no

@@ -2,7 +2,7 @@
 
 Strict: unknown fields, wrong types (`"1"` for 1, `true` for 1) and missing fields are refused
 with a message that names the field. Rules that need the database or settings (allowed channel
-hosts, the accounts limit, JID parsing) are checked again in `relay.services.uwpx`.
+hosts, the accounts limit, JID parsing) are checked again in `relay.windows.services`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator,
 from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import PydanticCustomError
 
-from relay.services import uwpx
+from relay.windows import services as uwpx
 
 DEVICE_ID_DESCRIPTION = (
     "The device's identifier, 32 to 128 hexadecimal characters (UWPX sends a SHA-256, 64). "

@@ -8,9 +8,7 @@ from relay.admin.base import (
     ReadOnlyAdmin,
     TenantScopedAdmin,
 )
-from relay.models import (
-    UnifiedPushDelivery,
-)
+from relay.unifiedpush.models import UnifiedPushDelivery
 
 
 @admin.register(UnifiedPushDelivery)

@@ -30,10 +30,10 @@ from django.http import HttpResponse
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
-from relay.api import protocol, views
-from relay.api.schemas import MESSAGE, RequestTestPush, SetAccounts, SetChannelUri
-from relay.services import uwpx
-from relay.services.uwpx import UwpxError
+from relay.windows import services as uwpx
+from relay.windows.api import protocol, views
+from relay.windows.api.schemas import MESSAGE, RequestTestPush, SetAccounts, SetChannelUri
+from relay.windows.services import UwpxError
 
 log = logging.getLogger(__name__)
 

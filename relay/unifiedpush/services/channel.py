@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from relay.services.unifiedpush.store import NewMessage
+from relay.unifiedpush.services.store import NewMessage
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The versioned HTTP API (`/api/v1/`): UWPX-style registration for Windows clients.
 
 Thin: each view names its app by the URL's public key and hands the parsed message to
-`relay.api.protocol`. Every answer, errors included, has the UWPX response shape. Before the
+`relay.windows.api.protocol`. Every answer, errors included, has the UWPX response shape. Before the
 body is parsed, `_guard` checks the per-address rate limit and the body size.
 """
 
@@ -21,8 +21,9 @@ from ninja.decorators import decorate_view
 from ninja.errors import HttpError, ValidationError
 
 from relay import conf
-from relay.api import protocol
-from relay.api.schemas import (
+from relay.windows import services as uwpx
+from relay.windows.api import protocol
+from relay.windows.api.schemas import (
     AccountsResponse,
     ErrorResponse,
     OkResponse,
@@ -32,12 +33,11 @@ from relay.api.schemas import (
     UwpxMessage,
     describe,
 )
-from relay.services import uwpx
-from relay.services.uwpx import ErrorKind, UwpxError
+from relay.windows.services import ErrorKind, UwpxError
 
 log = logging.getLogger(__name__)
 
-# Set by relay.api.fast on a request it hands on after counting its address.
+# Set by relay.windows.api.fast on a request it hands on after counting its address.
 GUARDED = "relay.uwpx.address_counted"
 
 STATUS = {
@@ -116,7 +116,7 @@ def _guard(run: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
     @functools.wraps(run)
     def guarded(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         try:
-            if not request.META.get(GUARDED):  # not counted already (relay.api.fast)
+            if not request.META.get(GUARDED):  # not counted already (relay.windows.api.fast)
                 uwpx.check_address_rate(client_address=client_address(request))
             _check_size(request)
         except UwpxError as error:

@@ -1,6 +1,6 @@
 """The UnifiedPush HTTP surface, thin: the push resource (RFC 8030 / UnifiedPush server spec),
 message resources for DELETE, and the Matrix push gateway. The rules live in
-`relay.services.unifiedpush`."""
+`relay.unifiedpush.services`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from relay import unifiedpush_http
-from relay.services.unifiedpush import matrix, messages
-from relay.services.unifiedpush.messages import PushRefused
+from relay.unifiedpush import http as unifiedpush_http
+from relay.unifiedpush.services import matrix, messages
+from relay.unifiedpush.services.messages import PushRefused
 
 DISCOVERY = {"unifiedpush": {"version": 1}}
 MATRIX_DISCOVERY = {"unifiedpush": {"gateway": "matrix"}}
@@ -40,12 +40,14 @@ def _content_length(request: HttpRequest) -> int | None:
 def push_resource(request: HttpRequest, token: str) -> HttpResponse:
     """GET discovers; POST stores (usually answered by `FastPushPath` before Django)."""
     if request.method == "POST":
-        status, headers, body = unifiedpush_http.post(
-            token=token,
-            content_length=request.META.get("CONTENT_LENGTH") or "",
-            transfer_encoding=request.META.get("HTTP_TRANSFER_ENCODING", ""),
-            read=request.read,
-            header=request.headers.get,
+        status, headers, body = unifiedpush_http.sendable(
+            unifiedpush_http.post(
+                token=token,
+                content_length=request.META.get("CONTENT_LENGTH") or "",
+                transfer_encoding=request.META.get("HTTP_TRANSFER_ENCODING", ""),
+                read=request.read,
+                header=request.headers.get,
+            )
         )
         response = HttpResponse(body, status=status)
         for name, value in headers:

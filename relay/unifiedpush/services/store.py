@@ -22,13 +22,13 @@ from typing import Any
 from django.db import DatabaseError, connection, transaction
 from django.db.models import F
 
-from relay.models import (
+from relay.services.groupcommit import GroupCommit
+from relay.unifiedpush.models import (
     UnifiedPushDelivery,
     UnifiedPushMessage,
     UnifiedPushOutcome,
     UnifiedPushRevocation,
 )
-from relay.services.groupcommit import GroupCommit
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class NewMessage:
     ttl: int
     sealed: bytes
     # Set by the gateway when it stores a message it already sent (the direct path,
-    # `xmppgateway.unifiedpush`): no wake-up, and not due while its answer may still come.
+    # `relay.unifiedpush.gateway.relay`): no wake-up, and not due while its answer may still come.
     notify: bool = True
     next_attempt: datetime | None = None
 
@@ -596,6 +596,12 @@ def stored_index(component_ids: Sequence[int]) -> list[tuple[int, int, str]]:
             "id", "component_id", "recipient_key"
         )
     )
+
+
+def is_revoked(endpoint_key: str, *, now: datetime) -> bool:
+    return UnifiedPushRevocation.objects.filter(
+        endpoint_key=endpoint_key, expires__gte=now
+    ).exists()
 
 
 def revoked_keys(*, now: datetime) -> set[str]:

@@ -18,9 +18,9 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from relay.models import UnifiedPushUrgency
-from relay.services.unifiedpush import messages
-from relay.services.unifiedpush.messages import MAX_BODY_BYTES, NOT_FOUND, PushRefused
+from relay.unifiedpush.models import UnifiedPushUrgency
+from relay.unifiedpush.services import messages
+from relay.unifiedpush.services.messages import MAX_BODY_BYTES, NOT_FOUND, PushRefused
 
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_DEVICES = 100

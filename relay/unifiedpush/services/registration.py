@@ -10,9 +10,10 @@ import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from relay import endpoint_urls
 from relay.models import Component
 from relay.services.publishing import domain_allowed
-from relay.services.unifiedpush import tokens
+from relay.unifiedpush.services import tokens
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ def iso_utc(timestamp: int) -> str:
 
 
 def endpoint_url(base_url: str, token: str) -> str:
-    return base_url.rstrip("/") + PUSH_PATH + token
+    """In ASCII, whatever an old row holds: application servers put it in request lines."""
+    return endpoint_urls.ascii_form(base_url).rstrip("/") + PUSH_PATH + token
 
 
 def register(

@@ -1,0 +1,21 @@
+from django.apps import AppConfig
+
+
+class UnifiedPushConfig(AppConfig):
+    """UnifiedPush over XMPP: its models, admin, push resource, services and gateway part."""
+
+    name = "relay.unifiedpush"
+    label = "unifiedpush"
+    verbose_name = "UnifiedPush"
+    # What the gateway plugs in (xmppgateway.features): the register iq, relaying stored
+    # messages, the direct path's listener.
+    gateway_feature = "relay.unifiedpush.gateway.relay.UnifiedPushRelay"
+
+    def ready(self) -> None:
+        from relay.services import tenancy
+        from relay.unifiedpush import checks  # noqa: F401 -- registers the system checks
+        from relay.unifiedpush.models import UnifiedPushDelivery
+
+        tenancy.register_tenant_owned(
+            UnifiedPushDelivery, "tenant", staff_permissions=["view_unifiedpushdelivery"]
+        )

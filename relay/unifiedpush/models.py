@@ -1,0 +1,121 @@
+"""UnifiedPush's data: the messages a phone has not taken yet, the endpoints it refused, and
+how each message ended. No JID, endpoint or body is stored in clear (docs/unifiedpush.md,
+Privacy). The tables keep the names they had in the core app (`relay_…`)."""
+
+from __future__ import annotations
+
+from django.db import models
+
+from relay.models import Component, Tenant
+
+
+class UnifiedPushUrgency(models.IntegerChoices):
+    """RFC 8030 Urgency, ordered: when an endpoint's storage is full, the least urgent goes."""
+
+    VERY_LOW = 0, "very-low"
+    LOW = 1, "low"
+    NORMAL = 2, "normal"
+    HIGH = 3, "high"
+
+
+class UnifiedPushMessage(models.Model):
+    """A message POSTed to an endpoint and not yet taken by the phone.
+
+    Nothing here names the account: the routing JID, application, instance and body are in
+    `sealed` (AES-GCM under UNIFIEDPUSH_KEYS); the keys are keyed hashes (HMAC) of the
+    endpoint's random id, of the full JID and of the topic. The row is deleted as soon as the
+    phone answers `result`, or when it expires, is replaced, withdrawn or dropped; what
+    happened is then a `UnifiedPushDelivery`.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False, related_name="+")
+    component = models.ForeignKey(
+        Component, on_delete=models.CASCADE, db_index=False, related_name="+"
+    )
+    endpoint_key = models.CharField(max_length=32)
+    recipient_key = models.CharField(max_length=32)
+    topic_key = models.CharField(max_length=32, blank=True, default="")
+    urgency = models.SmallIntegerField(
+        choices=UnifiedPushUrgency.choices, default=UnifiedPushUrgency.NORMAL
+    )
+    received = models.DateTimeField()
+    expires = models.DateTimeField()
+    endpoint_expires = models.DateTimeField(help_text="When the endpoint's token expires.")
+    next_attempt = models.DateTimeField()
+    attempts = models.PositiveSmallIntegerField(default=0)
+    size = models.PositiveIntegerField(help_text="Body bytes as POSTed.")
+    ttl = models.PositiveIntegerField(help_text="Seconds granted.")
+    sealed = models.BinaryField()
+
+    class Meta:
+        db_table = "relay_unifiedpushmessage"
+        # Every index costs each POST an insert and each delivery a delete: these four are
+        # what the lookups need (plain btrees; db_index would add a LIKE index per key).
+        indexes = [
+            models.Index(fields=["endpoint_key"], name="up_message_endpoint"),
+            models.Index(fields=["recipient_key"], name="up_message_recipient"),
+            models.Index(fields=["component", "next_attempt"], name="up_message_due"),
+            models.Index(fields=["expires"], name="up_message_expires"),
+        ]
+
+    def __str__(self) -> str:
+        return f"UnifiedPush message {self.pk}"
+
+
+class UnifiedPushRevocation(models.Model):
+    """An endpoint the phone refused (`item-not-found`): its POSTs answer 404 until it expires."""
+
+    endpoint_key = models.CharField(max_length=32, unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    created = models.DateTimeField(auto_now_add=True)
+    expires = models.DateTimeField(db_index=True)
+
+    class Meta:
+        db_table = "relay_unifiedpushrevocation"
+
+    def __str__(self) -> str:
+        return f"revoked endpoint {self.endpoint_key[:8]}"
+
+
+class UnifiedPushOutcome(models.TextChoices):
+    DELIVERED = "delivered", "delivered (the phone answered result)"
+    EXPIRED = "expired", "expired (TTL passed before the phone took it)"
+    REVOKED = "revoked", "revoked (the phone said item-not-found)"
+    REPLACED = "replaced", "replaced (a newer message with the same Topic)"
+    WITHDRAWN = "withdrawn", "withdrawn (DELETE by the application server)"
+    DROPPED = "dropped", "dropped (the endpoint's storage was full)"
+
+
+class UnifiedPushDelivery(models.Model):
+    """One UnifiedPush message as it went through us, for reports: no JID, no body, no token."""
+
+    # (tenant, received) serves the tenant's lookups: no index of its own.
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, db_index=False, related_name="+")
+    component = models.ForeignKey(
+        Component, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    outcome = models.CharField(max_length=16, choices=UnifiedPushOutcome.choices)
+    urgency = models.SmallIntegerField(choices=UnifiedPushUrgency.choices)
+    received = models.DateTimeField()
+    finished = models.DateTimeField(help_text="Delivered, or when it ended otherwise.")
+    size = models.PositiveIntegerField(help_text="Body bytes.")
+    ttl = models.PositiveIntegerField(help_text="Seconds granted.")
+    attempts = models.PositiveSmallIntegerField(default=0)
+
+    class Meta:
+        db_table = "relay_unifiedpushdelivery"
+        ordering = ["-received"]
+        verbose_name = "UnifiedPush delivery"
+        verbose_name_plural = "UnifiedPush deliveries"
+        indexes = [
+            models.Index(fields=["tenant", "received"], name="up_delivery_tenant"),
+            models.Index(fields=["outcome", "received"], name="up_delivery_outcome"),
+        ]
+
+    def __str__(self) -> str:
+        return f"UnifiedPush {self.outcome} {self.pk}"
+
+
+# The reports' records and daily aggregates live in their own module (registered here).
+import relay.report_models  # noqa: E402, F401

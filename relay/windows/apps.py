@@ -1,0 +1,9 @@
+from django.apps import AppConfig
+
+
+class WindowsConfig(AppConfig):
+    """The Windows (UWPX-style) registration API, over HTTP JSON and a TLS listener."""
+
+    name = "relay.windows"
+    label = "windows"
+    verbose_name = "Windows API"
