@@ -9,6 +9,13 @@ over HTTP/1.1 with OAuth).
 - Per provider: the warm-up and measured send jobs are queued while no worker runs; then the
   workers start. The figure is measured at the fake, from the last warm-up request to the
   last measured one, so worker start-up, client construction and OAuth do not count.
+- Per provider, the worker's CPU per send: its CPU time (from /proc) over the same window, so
+  Celery, PostgreSQL round trips and the provider client are all in it.
+- Client (`--mode client`): the provider alone, built in this process and sent to through
+  `send_each` in batches as a worker's delivery does (BATCH_SLOTS at a time, --concurrency
+  threads): sends per second and this process's CPU per send, which is the client library's
+  cost with nothing else around it. `--fcm-latency 0.03` has the fake FCM answer 30 ms late, as
+  Google would: then the provider's threads, not the CPU, bound the rate.
 - Mixed: publishes over a component link (bench/component_server.py) through the gateway,
   the broker and the workers, registrations spread over the three providers; the figure is
   publishes in to sends out at the fakes.
@@ -16,7 +23,7 @@ over HTTP/1.1 with OAuth).
 Prints and writes bench/results/providers.json. Run with PostgreSQL and Redis on loopback:
 `DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres CELERY_BROKER_URL=redis://127.0.0.1:6379/15
 .venv/bin/python bench/providers.py` (options: --sends, --pushes, --workers, --concurrency,
---mode providers|mixed|all).
+--mode providers|client|mixed|all). Every run records the load average before and after.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -45,6 +53,7 @@ from bench.common import (  # noqa: E402
     wait_http,
     write_results,
 )
+from bench.relay import cpu_seconds  # noqa: E402
 
 BENCH_DB = "relay_bench_providers"
 WARMUP = 64
@@ -99,6 +108,13 @@ class Fakes:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{service}: {self.count(service)} of {count} sends")
             time.sleep(0.05)
+
+    def fcm_control(self, action: str, body: dict[str, Any]) -> None:
+        """Script the fake FCM (`respond`, `reset`) over its control endpoint."""
+        request = urllib.request.Request(
+            f"{self.fcm_url}/_fake/{action}", data=json.dumps(body).encode(), method="POST"
+        )
+        urllib.request.urlopen(request, timeout=30).read()
 
     def stop(self) -> None:
         for process in self.processes:
@@ -178,8 +194,15 @@ def bench_provider(
     for start in range(0, len(jobs), size):
         queue.enqueue_sends(jobs[start : start + size])
     workers = start_workers(args.workers, args.concurrency)
+
+    def sample() -> tuple[int, float]:
+        return fakes.count(service), sum(cpu_seconds(worker.pid) for worker in workers)
+
     try:
+        fakes.wait_for(service, before + WARMUP, timeout=600)
+        warm_sends, warm_cpu = sample()
         fakes.wait_for(service, before + len(registrations), timeout=600)
+        last_sends, last_cpu = sample()
     finally:
         stop_all(workers)
     times = fakes.times(service)[before:]
@@ -190,8 +213,78 @@ def bench_provider(
     return {
         "sends": args.sends,
         "sends_per_second": round(args.sends / (end - start), 1),
+        "worker_cpu_ms_per_send": round(
+            (last_cpu - warm_cpu) * 1000 / max(1, last_sends - warm_sends), 3
+        ),
         "jobs_per_message": 1 if args.single else batch_max,
         "outcomes": outcomes,
+    }
+
+
+def client_for(service: str, fakes: Fakes) -> Any:
+    """The provider as the registry builds it for the bench app, in this process."""
+    from relay.providers.apns import ApnsConfig, ApnsProvider
+    from relay.providers.fcm import FcmConfig, FcmProvider
+
+    if service == "fcm":
+        return FcmProvider(FcmConfig.parse(fakes.sa_path.read_text(), fakes.fcm_url))
+    if service == "apns":
+        info = fakes.apns
+        config = ApnsConfig(
+            topic=info["topic"],
+            key=fakes.key_path.read_text(),
+            key_id=info["key_id"],
+            team_id=info["team_id"],
+            endpoint=info["endpoint"],
+            ca_file=info["ca_file"],
+        )
+        return ApnsProvider(config)
+    raise ValueError(f"no client benchmark for {service}")
+
+
+def bench_client(service: str, fakes: Fakes, args: argparse.Namespace) -> dict[str, Any]:
+    from concurrent.futures import ThreadPoolExecutor
+    from functools import partial
+
+    from relay.providers.base import Outcome, Wakeup, send_each
+    from relay.services.provider_limits import BATCH_SLOTS
+
+    def batches(count: int, run: str) -> list[list[Wakeup]]:
+        wakeups = [
+            Wakeup(
+                push_id=str(uuid.uuid4()),
+                token=token_for(service, fakes, n, run),
+                account=uuid.uuid4().hex + "0" * 8,
+                important=True,
+            )
+            for n in range(count)
+        ]
+        return [wakeups[i : i + BATCH_SLOTS] for i in range(0, count, BATCH_SLOTS)]
+
+    provider = client_for(service, fakes)
+    warm, measured = batches(WARMUP * 4, f"cw{service}"), batches(args.sends, f"c{service}")
+    latency = args.fcm_latency if service == "fcm" else 0.0
+    if latency:  # every send answered that much later, as from Google
+        fakes.fcm_control("respond", {"token": None, "delay": latency})
+    try:
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            list(pool.map(partial(send_each, provider), warm))
+            cpu, started = time.process_time(), time.perf_counter()
+            results = [r for rs in pool.map(partial(send_each, provider), measured) for r in rs]
+            cpu, elapsed = time.process_time() - cpu, time.perf_counter() - started
+    finally:
+        provider.close()
+        if latency:
+            fakes.fcm_control("reset", {})
+    delivered = sum(1 for r in results if r.outcome == Outcome.DELIVERED)
+    return {
+        "sends": len(results),
+        "delivered": delivered,
+        "sends_per_second": round(len(results) / elapsed, 1),
+        "client_cpu_ms_per_send": round(cpu * 1000 / len(results), 3),
+        "threads": args.concurrency,
+        "batch": BATCH_SLOTS,
+        "answer_delay_seconds": latency,
     }
 
 
@@ -281,8 +374,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=32, help="threads per worker")
     parser.add_argument("--gateway-threads", type=int, default=16)
-    parser.add_argument("--mode", choices=["providers", "mixed", "all"], default="all")
+    parser.add_argument("--mode", choices=["providers", "client", "mixed", "all"], default="all")
     parser.add_argument("--providers", default=",".join(SERVICES))
+    parser.add_argument(
+        "--fcm-latency",
+        type=float,
+        default=0.0,
+        help="client mode: seconds the fake FCM holds each answer (Google's round trip)",
+    )
     args = parser.parse_args()
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
@@ -310,6 +409,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="providers-bench-"))
     fakes = Fakes(workdir)
     results: dict[str, Any] = {"benchmark": "providers"}
+    load_before = os.getloadavg()
     try:
         tenant = Tenant.objects.create(name="bench", rate_limit_per_second=0)
         app = App.objects.create(
@@ -340,6 +440,12 @@ def main() -> None:
                 service: bench_provider(service, component, fakes, args)
                 for service in args.providers.split(",")
             }
+        if args.mode in ("client", "all"):
+            results["client"] = {
+                service: bench_client(service, fakes, args)
+                for service in args.providers.split(",")
+                if service != "wns"
+            }
         if args.mode in ("mixed", "all"):
             results["mixed"] = bench_mixed(component, fakes, args)
     finally:
@@ -351,6 +457,7 @@ def main() -> None:
             "database": "postgresql",
             "broker": broker_url.split(":", 1)[0],
             "cpus": os.cpu_count(),
+            "load_average": [round(v, 2) for v in (*load_before, *os.getloadavg())],
             "python": platform.python_version(),
         }
     )

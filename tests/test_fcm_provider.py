@@ -70,17 +70,12 @@ def fake():
         yield server
 
 
-@pytest.fixture(params=["direct", "through-requests"])
-def make_provider(request):
-    """Providers sending straight through urllib3 (the usual way), or through firebase-admin
-    and requests (the way when a proxy applies): both must behave alike."""
+@pytest.fixture
+def make_provider():
     made: list[FcmProvider] = []
 
     def build(service_account: dict, endpoint: str, timeout: float = 5.0) -> FcmProvider:
         provider = FcmProvider(FcmConfig(service_account, endpoint), timeout=timeout)
-        if request.param == "through-requests" and provider._direct is not None:
-            provider._direct.clear()
-            provider._direct = None
         made.append(provider)
         return provider
 

@@ -6,9 +6,10 @@ shared by all APNs providers of that process (one thread, not one per app), and 
 submits coroutines to it with `run_coroutine_threadsafe`. After a fork the child starts its
 own loop on first use; a provider built before the fork rebuilds its client there.
 
-aioapns has no host argument: each client gets a protocol subclass with our `APNS_SERVER` and
-`APNS_PORT` (also used for the `host` header), so sandbox, production and a local fake are all
-one code path. A custom CA (e.g. a test fake's) is trusted through the client's `ssl_context`.
+The client is built through aioapns' documented constructor; a custom CA (e.g. a test fake's) is
+trusted through its `ssl_context`. Where it connects (aioapns has no host argument) and how a
+request is sent on a connection is `relay.providers.apns_connection`, the one module that uses
+aioapns' undocumented parts; sandbox, production and a local fake are one code path.
 
 Privacy: the device token is the device's address. It is never logged nor returned.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import os
 import re
@@ -32,20 +32,13 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
 from aioapns import APNs, NotificationRequest, PushType
-from aioapns.common import NotificationResult
-from aioapns.connection import (
-    APNsBaseClientProtocol,
-    APNsTLSClientProtocol,
-    AuthorizationHeaderProvider,
-    JWTAuthorizationHeaderProvider,
-)
-from aioapns.exceptions import ConnectionClosed
 from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from h2.exceptions import NoAvailableStreamIDError
 
+from relay.providers import apns_connection
+from relay.providers.apns_connection import NotificationResult
 from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
 from relay.providers.payloads import ApnsPayload
 
@@ -354,83 +347,6 @@ def shutdown() -> None:
         loop.stop()
 
 
-# --- aioapns glue -----------------------------------------------------------------------------
-
-
-# One JWT signer per key in this process (used on the loop thread only).
-_jwt_providers: dict[tuple[str, str, str], JWTAuthorizationHeaderProvider] = {}
-
-
-class _EndpointProtocol(APNsTLSClientProtocol):
-    """aioapns' protocol with a few leaks and hangs fixed; subclassed per endpoint."""
-
-    # Apple asks to keep connections open rather than reconnect per burst (aioapns: 10 s).
-    INACTIVITY_TIME = 60
-    lost = False
-
-    def __init__(
-        self,
-        apns_topic: str,
-        loop: asyncio.AbstractEventLoop | None = None,
-        on_connection_lost: Any = None,
-        auth_provider: AuthorizationHeaderProvider | None = None,
-    ) -> None:
-        if isinstance(auth_provider, JWTAuthorizationHeaderProvider):
-            # aioapns signs a new JWT per connection; Apple answers 429
-            # TooManyProviderTokenUpdates to more than one new token per 20 minutes.
-            key = (auth_provider.key, auth_provider.key_id, auth_provider.team_id)
-            auth_provider = _jwt_providers.setdefault(key, auth_provider)
-        super().__init__(apns_topic, loop, on_connection_lost, auth_provider)
-
-    @property
-    def closing(self) -> bool:
-        return self.lost or self.transport is None or self.transport.is_closing()
-
-    @property
-    def is_busy(self) -> bool:
-        # A closing connection stays in aioapns' pool until connection_lost: skip it.
-        return self.closing or super().is_busy
-
-    def abort(self) -> None:
-        """Drop a connection that stopped answering, without waiting for a TLS goodbye."""
-        if self.transport is not None:
-            self.transport.abort()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        super().connection_lost(exc)
-
-    async def send_notification(self, request: NotificationRequest) -> NotificationResult:
-        # aioapns would write to a dead transport and wait forever for the answer.
-        if self.closing:
-            raise ConnectionClosed("connection is closing")
-        return await super().send_notification(request)
-
-    def on_data_received(self, raw_data: bytes, stream_id: int) -> None:
-        # aioapns never returns flow-control credit, so ~64 KiB of error bodies would stall
-        # the connection for good.
-        self.conn.acknowledge_received_data(len(raw_data), stream_id)
-        super().on_data_received(raw_data, stream_id)
-
-    def on_stream_ended(self, stream_id: int) -> None:
-        # aioapns keeps every 200's stream entry forever, and an error without a body would
-        # never resolve: clean up and answer with the bare status.
-        notification_id = self.request_streams.pop(stream_id, None)
-        if notification_id is not None:
-            status = self.request_statuses.pop(notification_id, None)
-            future = self.requests.pop(notification_id, None) if status else None
-            if future is not None and not future.done():
-                future.set_result(NotificationResult(notification_id, status or ""))
-        super().on_stream_ended(stream_id)
-
-
-@functools.lru_cache(maxsize=64)
-def _protocol_for(host: str, port: int) -> type[APNsTLSClientProtocol]:
-    return type(
-        "ApnsEndpointProtocol", (_EndpointProtocol,), {"APNS_SERVER": host, "APNS_PORT": port}
-    )
-
-
 class ApnsProvider:
     """Sends wake-ups for one app; thread-safe, one HTTP/2 connection reused for many sends."""
 
@@ -510,12 +426,7 @@ class ApnsProvider:
         config = self.config
         context = ssl.create_default_context(cafile=config.ca_file or None)
         context.set_alpn_protocols(["h2"])
-        common: dict[str, Any] = {
-            "topic": config.topic,
-            "use_sandbox": config.sandbox,
-            "ssl_context": context,
-            "max_connection_attempts": 1,
-        }
+        common: dict[str, Any] = {"topic": config.topic, "ssl_context": context}
         if config.uses_token_auth:
             client = APNs(key=config.key, key_id=config.key_id, team_id=config.team_id, **common)
         else:
@@ -524,12 +435,12 @@ class ApnsProvider:
                 pem.write(config.client_pem())
                 pem.flush()
                 client = APNs(client_cert=pem.name, **common)
-        client.pool.protocol_class = _protocol_for(*config.address)
+        apns_connection.point_at(client, *config.address)
         return client
 
     @staticmethod
     async def _close_client(client: APNs) -> None:
-        client.pool.close()
+        apns_connection.close(client)
         await asyncio.sleep(0)
 
     def _request(self, wakeup: Wakeup) -> NotificationRequest:
@@ -545,48 +456,21 @@ class ApnsProvider:
         )
 
     async def _send(self, client: APNs, request: NotificationRequest) -> SendResult:
-        """Send once (plus one reconnect if the connection dropped), never raising.
-
-        Not `client.send_notification`: its pool sleeps 1 s per failed connect and retries
-        5 times, which belongs to our queue's backoff instead.
-        """
+        """Send, never raising: what could not be answered is RETRY_LATER."""
         if request.notification_id in self._in_flight:
             # aioapns keys answers by apns-id: two live requests with one id would hang one.
             request.notification_id = str(uuid.uuid4())
         self._in_flight.add(request.notification_id)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
         try:
-            for _attempt in range(2):
-                try:
-                    connection = await asyncio.wait_for(
-                        client.pool.acquire(), max(deadline - loop.time(), 0.001)
-                    )
-                except TimeoutError:
-                    return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
-                except Exception as error:
-                    log.warning("APNs connection failed: %s", type(error).__name__)
-                    return SendResult(Outcome.RETRY_LATER, "NETWORK")
-                # Never cancel aioapns' send: it would later set a result on the cancelled
-                # future and kill the connection with every other request on it.
-                task = asyncio.ensure_future(connection.send_notification(request))
-                done, _ = await asyncio.wait({task}, timeout=max(deadline - loop.time(), 0))
-                if not done:
-                    task.add_done_callback(_swallow)
-                    _abort(connection)  # a silent connection is usually a dead one
-                    return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
-                try:
-                    response = task.result()
-                except (ConnectionClosed, NoAvailableStreamIDError):
-                    connection.close()
-                    continue
-                except Exception as error:
-                    log.warning("APNs send failed: %s", type(error).__name__)
-                    return SendResult(Outcome.RETRY_LATER, "NETWORK")
-                return _classify_response(response)
+            response = await apns_connection.send(client, request, self.timeout)
+        except TimeoutError:
+            return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+        except Exception as error:
+            log.warning("APNs send failed: %s", type(error).__name__)
             return SendResult(Outcome.RETRY_LATER, "NETWORK")
         finally:
             self._in_flight.discard(request.notification_id)
+        return _classify_response(response)
 
 
 def _classify_response(response: NotificationResult) -> SendResult:
@@ -595,19 +479,6 @@ def _classify_response(response: NotificationResult) -> SendResult:
     except ValueError:
         return SendResult(Outcome.RETRY_LATER, "NETWORK")
     return classify(status, response.description or "")
-
-
-def _abort(connection: APNsBaseClientProtocol) -> None:
-    if isinstance(connection, _EndpointProtocol):
-        connection.abort()
-    else:
-        connection.close()
-
-
-def _swallow(task: asyncio.Future[Any]) -> None:
-    """Retrieve an abandoned task's exception so asyncio does not log it."""
-    if not task.cancelled():
-        task.exception()
 
 
 __all__ = [

@@ -4,9 +4,10 @@ The wire payload is a content-free wake-up (docs/protocols.md 1.4): the device's
 hash (plus the room hash for a room), a collapse key and the Android priority. The provider sees
 hashes only, never a JID or a body.
 
-firebase-admin 7.7.0 is pinned: the send URL lives in the private `_MessagingService._fcm_url`
-and the only place that touches it is `_point_service_at`, so a library upgrade breaks in one
-spot (loudly) instead of silently sending to Google from a test.
+Sends go through firebase-admin's public API (`messaging.send`; its exceptions are classified
+here). What has no public way (the endpoint, the library's retries, google-auth's regional
+access boundary lookup) is in `relay.providers.fcm_endpoint`, the one module that touches
+firebase-admin's private names.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import email.utils
 import functools
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -28,21 +28,18 @@ from urllib.parse import urlsplit
 import firebase_admin
 import google.auth.exceptions
 import requests
-import requests.adapters
-import requests.certs
-import requests.structures
-import urllib3
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from firebase_admin import credentials, exceptions, messaging
 from google.auth.transport.requests import Request as GoogleAuthRequest
 
+from relay.providers import fcm_endpoint
 from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
+from relay.providers.fcm_endpoint import GOOGLE_FCM_ENDPOINT
 from relay.providers.payloads import FcmPayload
 
 logger = logging.getLogger(__name__)
 
-GOOGLE_FCM_ENDPOINT = "https://fcm.googleapis.com"
 DEFAULT_PAYLOAD = FcmPayload()
 _REQUIRED_FIELDS = ("project_id", "client_email", "private_key", "token_uri")
 _FCM_ERROR_TYPE = "type.googleapis.com/google.firebase.fcm.v1.FcmError"
@@ -53,9 +50,6 @@ _TRANSIENT_FCM_CODES = frozenset({"QUOTA_EXCEEDED", "UNAVAILABLE", "INTERNAL"})
 # Threads shared by this provider's `send_many` batches (the session's pool holds 100
 # connections; RELAY MAX_IN_FLIGHT_PER_PROVIDER bounds what is actually in flight).
 SEND_MANY_THREADS = 64
-# Times a send refused with 401 gets a new access token and is repeated (google-auth's
-# AuthorizedSession default, which the firebase-admin path uses).
-AUTH_REFRESHES = 2
 
 
 def _check_url(value: str, what: str) -> str:
@@ -116,45 +110,6 @@ class FcmConfig:
         endpoint = endpoint.strip() or GOOGLE_FCM_ENDPOINT
         _check_url(endpoint, "The FCM endpoint")
         return cls(service_account=info, endpoint=endpoint.rstrip("/"))
-
-
-def _send_url(endpoint: str, project_id: str) -> str:
-    return f"{endpoint.rstrip('/')}/v1/projects/{project_id}/messages:send"
-
-
-def _point_service_at(service: Any, credential: Any, endpoint: str, project_id: str) -> str:
-    """The ONE place that bends firebase-admin's private internals (7.7.0); returns the URL.
-
-    - The v1 send URL is formatted from `_MessagingService.FCM_URL` into `self._fcm_url` in
-      `__init__`; we replace it on this instance only (the class attribute stays Google's, so
-      providers with different endpoints coexist).
-    - The library retries 500/503 four times with backoff (~8 s) and read errors once; our
-      Celery task retries with its own backoff, so the endpoint gets an adapter with no retries.
-    - The session reads the environment's proxy and CA settings once, not per request.
-    - google-auth looks up a "regional access boundary" at iamcredentials.googleapis.com in a
-      background thread; against a non-Google endpoint (a fake, a proxy) that is a pointless
-      request to Google carrying our bearer token, so it is switched off there.
-    """
-    if not hasattr(service, "_fcm_url") or not hasattr(service, "_client"):
-        raise RuntimeError("firebase-admin internals changed: re-check relay/providers/fcm.py")
-    url = _send_url(endpoint, project_id)
-    service._fcm_url = url
-    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=100, max_retries=0)
-    # requests picks the longest matching prefix, so this beats the library's own mounts.
-    session = service._client.session
-    session.mount(endpoint.rstrip("/") + "/", adapter)
-    # requests re-reads proxy, CA bundle and .netrc settings from the environment on every
-    # request (a tenth of a send's CPU); read them once here instead.
-    session.proxies.update(requests.utils.get_environ_proxies(url))
-    bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
-    if bundle and session.verify is True:
-        session.verify = bundle
-    session.trust_env = False
-    if endpoint.rstrip("/") != GOOGLE_FCM_ENDPOINT and hasattr(
-        credential, "_is_regional_access_boundary_lookup_required"
-    ):
-        credential._is_regional_access_boundary_lookup_required = lambda: False
-    return url
 
 
 def _retry_after(response: requests.Response | None) -> float | None:
@@ -289,27 +244,6 @@ def build_message(wakeup: Wakeup, payload: FcmPayload | None = None) -> messagin
     return message
 
 
-def _direct_client(service: Any, url: str) -> tuple[urllib3.PoolManager | None, dict[str, str]]:
-    """A urllib3 pool for `send_many` and the headers the firebase-admin session sends
-    (its own, the FCM ones; google-auth adds the bearer token per request). None when a
-    proxy applies to `url`: then batches go through `send` (requests handles proxies)."""
-    session = service._client.session
-    headers = {key: str(value) for key, value in session.headers.items()}
-    headers.update(service._fcm_headers)
-    headers["Content-Type"] = "application/json"
-    if requests.utils.get_environ_proxies(url) or session.proxies:
-        return None, headers
-    verify = session.verify
-    if verify is False:
-        http = urllib3.PoolManager(maxsize=SEND_MANY_THREADS, cert_reqs="CERT_NONE")
-    else:
-        bundle = verify if isinstance(verify, str) else requests.certs.where()
-        http = urllib3.PoolManager(
-            maxsize=SEND_MANY_THREADS, cert_reqs="CERT_REQUIRED", ca_certs=bundle
-        )
-    return http, headers
-
-
 class FcmProvider:
     """Sends wake-ups for one Firebase project; safe to share between threads.
 
@@ -338,12 +272,9 @@ class FcmProvider:
             name=f"relay-fcm-{uuid.uuid4().hex}",
         )
         try:
+            # The same credential object the app's sends authorize with.
             self._credential = certificate.get_credential()
-            self._service = messaging._get_messaging_service(self._app)
-            self.send_url = _point_service_at(
-                self._service, self._credential, config.endpoint, config.project_id
-            )
-            self._direct, self._direct_headers = _direct_client(self._service, self.send_url)
+            self.send_url = fcm_endpoint.point_at(self._app, self._credential, config.endpoint)
             self._token_session = requests.Session()
             self._token_request = functools.partial(
                 GoogleAuthRequest(self._token_session), timeout=self.timeout
@@ -365,14 +296,6 @@ class FcmProvider:
                 self._credential.refresh(self._token_request)
 
     def send(self, wakeup: Wakeup) -> SendResult:
-        """One wake-up, straight through urllib3 like a batch's (`_send_direct`: a third of a
-        worker's CPU per push went to requests and firebase-admin), or through firebase-admin
-        when a proxy applies."""
-        if self._direct is not None:
-            return self._send_direct(wakeup, self._direct)
-        return self._send_admin(wakeup)
-
-    def _send_admin(self, wakeup: Wakeup) -> SendResult:
         if self._closed:
             # The app's credentials changed under an in-flight task: the retry uses the new ones.
             return SendResult(Outcome.RETRY_LATER, "CLOSED")
@@ -381,16 +304,21 @@ class FcmProvider:
         message = build_message(wakeup, self.payload)
         try:
             self._ensure_token()
-            self._service.send(message)
+            messaging.send(message, app=self._app)
         except (exceptions.FirebaseError, google.auth.exceptions.GoogleAuthError) as error:
             return self._not_delivered(wakeup, classify(error))
+        except ValueError:
+            if self._closed:  # the App was deleted under this send
+                return SendResult(Outcome.RETRY_LATER, "CLOSED")
+            raise
         return SendResult.delivered()
 
     def send_many(self, wakeups: list[Wakeup]) -> list[SendResult]:
-        """A batch over a thread pool shared by this provider's batches, each request straight
-        through urllib3 (`_send_direct`): the same message, headers, token and classification
-        as `send`, at half its CPU. firebase-admin's `send_each` would start a new pool per
-        call and go through requests like `send`."""
+        """A batch as `send` each, over a thread pool this provider's batches share.
+
+        Not `messaging.send_each`: it starts a thread per message on every call, and a token
+        endpoint failure inside it fails the whole batch as one UnknownError.
+        """
         with self._close_lock:
             if self._closed:
                 return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
@@ -410,61 +338,6 @@ class FcmProvider:
         except Exception as error:  # one crash must not cost the batch its other results
             logger.exception("fcm send crashed", extra={"error_type": type(error).__name__})
             return SendResult(Outcome.RETRY_LATER, "INTERNAL")
-
-    def _send_direct(self, wakeup: Wakeup, http: urllib3.PoolManager) -> SendResult:
-        if self._closed:
-            return SendResult(Outcome.RETRY_LATER, "CLOSED")
-        if not wakeup.token:
-            return SendResult(Outcome.DEAD_TOKEN, "EMPTY_TOKEN")
-        data = self._service._message_data(build_message(wakeup, self.payload), False)
-        body = json.dumps(data).encode()
-        refused = ""  # the authorization a 401 refused
-        for _ in range(AUTH_REFRESHES + 1):
-            headers = dict(self._direct_headers)
-            try:
-                if refused:
-                    self._refresh_token(refused)
-                self._ensure_token()
-                self._credential.before_request(self._token_request, "POST", self.send_url, headers)
-            except google.auth.exceptions.GoogleAuthError as error:
-                return self._not_delivered(wakeup, classify(error))
-            try:
-                answer = http.request(
-                    "POST",
-                    self.send_url,
-                    body=body,
-                    headers=headers,
-                    timeout=urllib3.Timeout(connect=self.timeout, read=self.timeout),
-                    retries=False,
-                    redirect=False,
-                )
-            except urllib3.exceptions.NewConnectionError:  # (a ConnectTimeoutError subclass)
-                return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
-            except urllib3.exceptions.TimeoutError:
-                return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "TIMEOUT"))
-            except urllib3.exceptions.HTTPError:
-                return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
-            if 200 <= answer.status < 300:
-                return SendResult.delivered()
-            if answer.status != 401:
-                break
-            # A token revoked early: refreshed and the send repeated, as google-auth does.
-            refused = headers.get("authorization", "") or "refused"
-        response = requests.Response()
-        response.status_code = answer.status
-        response.headers = requests.structures.CaseInsensitiveDict(answer.headers)
-        response._content = answer.data
-        response.url = self.send_url
-        fcm_error = self._service._handle_fcm_error(
-            requests.exceptions.HTTPError(response=response)
-        )
-        return self._not_delivered(wakeup, classify(fcm_error))
-
-    def _refresh_token(self, used: str) -> None:
-        """A new access token after a 401, unless another thread already replaced `used`."""
-        with self._token_lock:
-            if used == f"Bearer {self._credential.token}":
-                self._credential.refresh(self._token_request)
 
     def _not_delivered(self, wakeup: Wakeup, result: SendResult) -> SendResult:
         log = logger.warning if result.outcome == Outcome.FAILED else logger.info
@@ -489,10 +362,7 @@ class FcmProvider:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
-        if self._direct is not None:
-            self._direct.clear()
-        # Not `_client.close()`: that sets the session to None under a racing send.
-        self._service._client.session.close()
+        fcm_endpoint.close_connections(self._app)
         self._token_session.close()
         try:
             asyncio.get_running_loop()
