@@ -40,6 +40,7 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from bench.component_server import PUBLISH, ComponentServer  # noqa: E402
+from tests.support.processes import child_pids  # noqa: E402
 
 BENCH_DB = os.environ.get("RELAY_BENCH_DB", "relay_bench")
 
@@ -55,19 +56,6 @@ def cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _children(parent: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(entry.name))
-    return found
-
-
 def service_cpu(pids: dict[str, int], servers: dict[str, int]) -> dict[str, float]:
     """CPU seconds of our processes plus the PostgreSQL and Redis servers this benchmark uses
     (each server's main process, its reaped children included, and its live children): other
@@ -75,7 +63,7 @@ def service_cpu(pids: dict[str, int], servers: dict[str, int]) -> dict[str, floa
     figures = {name: cpu_seconds(pid) for name, pid in pids.items()}
     figures["bench_client"] = cpu_seconds(os.getpid())
     for name, pid in servers.items():
-        figures[name] = cpu_seconds(pid) + sum(cpu_seconds(child) for child in _children(pid))
+        figures[name] = cpu_seconds(pid) + sum(cpu_seconds(child) for child in child_pids(pid))
     return figures
 
 

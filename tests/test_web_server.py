@@ -26,7 +26,7 @@ from relay.unifiedpush.models import UnifiedPushMessage
 from relay.unifiedpush.services import messages
 from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
-from tests.support.processes import ServiceProcess, start_web, wait_until
+from tests.support.processes import ServiceProcess, child_pids, start_web, wait_until
 from tests.support.raw_http import Reader, closed_by_peer, exchange, post, request
 
 LIMITS = {
@@ -52,19 +52,6 @@ def connect(port: int, timeout: float = 20, receive_buffer: int = 0) -> socket.s
     sock.connect(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
-
-
-def workers_of(web: ServiceProcess) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == web.process.pid:
-                children.append(int(entry.name))
-    return children
 
 
 def rss_kib(pid: int) -> int:
@@ -230,7 +217,7 @@ def test_a_client_pipelining_faster_than_it_is_answered_is_read_no_further_than_
     answers (what it sent minus what was answered stays within the kernel's buffers), and
     the worker's memory does not grow with what was offered (8 s of it)."""
     web, port, _, token = web_endpoint
-    [worker] = workers_of(web)
+    [worker] = child_pids(web.process.pid)
     before = rss_kib(worker)
     one = post(token, b"x" * 4000)
     batch = one * 256

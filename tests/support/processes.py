@@ -85,6 +85,20 @@ class ServiceProcess:
         self.process.wait()
 
 
+def child_pids(parent: int) -> list[int]:
+    """The processes whose parent is `parent` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+    return found
+
+
 def service_env(**overrides: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
