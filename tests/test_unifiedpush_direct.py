@@ -10,6 +10,7 @@ import http.client
 import socket
 import threading
 import time
+from email.message import Message
 from urllib.parse import urlsplit
 
 import pytest
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.django_db(transaction=True)]
 DIRECT_IDS = 1 << 62
 
 
-def message_id(headers: dict) -> int:
+def message_id(headers: Message) -> int:
     reference = headers["Location"].rsplit("/", 1)[1]
     value = messages.message_id_of(reference)
     assert value is not None, "the Location must name a message resource of ours"
@@ -198,11 +199,11 @@ class KeepAlive:
         self.path = parts.path
         self.http = http.client.HTTPConnection(parts.hostname, parts.port, timeout=20)
 
-    def post(self, body: bytes, **headers: str) -> tuple[int, dict]:
+    def post(self, body: bytes, **headers: str) -> tuple[int, Message]:
         self.http.request("POST", self.path, body=body, headers=headers)
         response = self.http.getresponse()
         response.read()
-        return response.status, dict(response.headers)
+        return response.status, response.headers  # looked up by name in any case
 
     def close(self) -> None:
         self.http.close()

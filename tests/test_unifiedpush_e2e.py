@@ -16,6 +16,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from email.message import Message
 
 import pytest
 from django.test import override_settings
@@ -82,13 +83,14 @@ class Lab:
         phone.connect()
         return phone
 
-    def post(self, url: str, body: bytes = b"hello", **headers: str) -> tuple[int, dict]:
+    def post(self, url: str, body: bytes = b"hello", **headers: str) -> tuple[int, Message]:
+        """(status, headers: looked up by name in any case, as HTTP's are)."""
         request = urllib.request.Request(url, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
-                return response.status, dict(response.headers)
+                return response.status, response.headers
         except urllib.error.HTTPError as error:
-            return error.code, dict(error.headers)
+            return error.code, error.headers
 
     def delete(self, url: str) -> int:
         try:
