@@ -14,7 +14,7 @@ from django.core.checks import run_checks
 from django.test import override_settings
 
 from relay import conf
-from relay.checks import retry_window_check, state_store_check
+from relay.checks import retry_window_check, state_store_check, web_check
 from tests.support.processes import ROOT
 
 pytestmark = pytest.mark.defaults
@@ -131,3 +131,24 @@ def test_the_store_is_asked_only_when_databases_are_checked():
         assert {m.id for m in run_checks(tags=["relay"])} & {"relay.E106"} == set()
         with_database = {m.id for m in run_checks(tags=["relay"], databases=["default"])}
     assert "relay.E106" in with_database
+
+
+def test_the_defaults_pass_the_web_process_check():
+    assert web_check() == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "code"),
+    [
+        ({"WEB_BIND": "port-8000"}, "relay.E130"),
+        ({"WEB_BIND": "127.0.0.1:99999"}, "relay.E130"),
+        ({"WEB_WORKERS": 0}, "relay.E131"),
+        ({"WEB_MAX_HEADERS": 5}, "relay.E132"),
+        ({"WEB_MAX_REQUEST_LINE": 20000}, "relay.E132"),  # beyond the head's bytes
+        ({"WEB_MAX_BODY_BYTES": 4096}, "relay.E132"),
+        ({"WEB_FLUSH_SECONDS": 0}, "relay.E133"),
+    ],
+)
+def test_a_web_setting_that_cannot_work_is_an_error(changes, code):
+    with override_settings(**changes):
+        assert [message.id for message in web_check()] == [code]
