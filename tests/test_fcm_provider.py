@@ -163,6 +163,8 @@ def test_access_token_comes_from_the_token_uri_and_is_reused(fake, make_provider
     assert "https://www.googleapis.com/auth/cloud-platform" in grant.scope.split()
     bearers = {s.headers["authorization"] for s in sends}
     assert len(bearers) == 1 and bearers.pop().startswith("Bearer ya29.fake-")
+    # What firebase-admin's clients send to get FCM's detailed errors.
+    assert {s.headers["x-goog-api-format-version"] for s in sends} == {"2"}
 
 
 def test_many_threads_share_one_token_and_all_deliver(fake, provider):

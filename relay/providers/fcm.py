@@ -9,11 +9,11 @@ Why the REST API and not `firebase_admin.messaging.send`: a send is one document
 (`POST {endpoint}/v1/projects/{project}/messages:send` with `{"message": ...}` and a Bearer
 access token, https://firebase.google.com/docs/reference/fcm/rest/v1/projects.messages/send),
 and its errors are the documented google.rpc.Status with a `google.firebase.fcm.v1.FcmError`
-detail. Through `messaging.send` every send also ran requests' per-request machinery and
-google-auth's AuthorizedSession: about 30% more CPU per send in the worker and 60% more in the
-client alone, at a lower rate (docs/benchmarks.md, "Providers", has the figures); and the
-endpoint, the library's retries and google-auth's regional access boundary lookup could only be
-changed through private names. Here the URL is ours (the app's endpoint setting), urllib3's
+detail. Through `messaging.send` every send also ran requests' per-request work and
+google-auth's AuthorizedSession: more than twice this path's CPU per send, at a lower rate
+(docs/benchmarks.md, "Providers", has the figures, measured back to back); and the endpoint,
+the library's retries and google-auth's regional access boundary lookup could only be changed
+through private names. Here the URL is ours (the app's endpoint setting), urllib3's
 PoolManager sends without retries (the relay's queue retries with its own backoff), and the
 access token comes from the credential firebase-admin holds for the app
 (`App.credential.get_credential()`), refreshed with google-auth's public `Credentials.refresh`
@@ -93,6 +93,10 @@ _TRANSIENT_FCM_CODES = frozenset({"QUOTA_EXCEEDED", "UNAVAILABLE", "INTERNAL"})
 SEND_MANY_THREADS = 64
 # Connections kept open to the endpoint: the batches' threads plus a worker's own.
 POOL_CONNECTIONS = 100
+# Every send's headers besides the token. X-GOOG-API-FORMAT-VERSION 2 is what firebase-admin's
+# clients send to ask FCM for its detailed errors (the google.rpc.BadRequest field violations
+# `_is_about_token` reads).
+_HEADERS = {"Content-Type": "application/json", "X-GOOG-API-FORMAT-VERSION": "2"}
 # Times a send refused with 401 gets a new access token and is repeated (what google-auth's
 # AuthorizedSession does, which firebase-admin sends through).
 AUTH_REFRESHES = 2
@@ -294,6 +298,12 @@ class FcmProvider:
         self._pool: ThreadPoolExecutor | None = None
         self._token_lock = threading.Lock()
         self._close_lock = threading.Lock()
+        self._http = _connections(self.send_url)
+        self._request_timeout = urllib3.Timeout(connect=self.timeout, read=self.timeout)
+        self._token_session = requests.Session()
+        self._token_request = functools.partial(
+            GoogleAuthRequest(self._token_session), timeout=self.timeout
+        )
         self._app = firebase_admin.initialize_app(
             credentials.Certificate(dict(config.service_account)),
             options={"projectId": config.project_id},
@@ -301,12 +311,6 @@ class FcmProvider:
         )
         # google-auth's service-account credential: `token`, `valid` and `refresh` are public.
         self._credential = self._app.credential.get_credential()
-        self._token_session = requests.Session()
-        self._token_request = functools.partial(
-            GoogleAuthRequest(self._token_session), timeout=self.timeout
-        )
-        self._http = _connections(self.send_url)
-        self._request_timeout = urllib3.Timeout(connect=self.timeout, read=self.timeout)
 
     def __repr__(self) -> str:
         return f"<FcmProvider project={self.config.project_id} url={self.send_url}>"
@@ -343,7 +347,7 @@ class FcmProvider:
                     "POST",
                     self.send_url,
                     body=body,
-                    headers={"Authorization": authorization, "Content-Type": "application/json"},
+                    headers={**_HEADERS, "Authorization": authorization},
                     timeout=self._request_timeout,
                     retries=False,
                     redirect=False,
