@@ -165,11 +165,17 @@ def normalized(argv: list[str]) -> list[str]:
 
 
 def variables_the_code_reads() -> set[str]:
+    """What relay/environment.py declares for the Python code, and the few names read
+    straight from os.environ (tools that run before or without Django's settings)."""
+    from relay.environment import declared
+
+    found = {
+        env for _, env, info in declared() if not (info.json_schema_extra or {}).get("read_by")
+    }
     pattern = re.compile(
-        r"(?:os\.environ\.get|os\.getenv|\benv\.get|\b_?env_[a-z_]+|_beat_time)"
-        r"\(\s*(?:env,\s*)?\"([A-Z][A-Z0-9_]*)\"|os\.environ\[\s*\"([A-Z][A-Z0-9_]*)\"\s*\]"
+        r"(?:os\.environ\.get|os\.getenv|\benv\.get)\(\s*\"([A-Z][A-Z0-9_]*)\""
+        r"|os\.environ\[\s*\"([A-Z][A-Z0-9_]*)\"\s*\]"
     )
-    found: set[str] = set()
     for package in ("pushsite", "relay", "xmppgateway", "analytics"):
         for path in (ROOT / package).rglob("*.py"):
             for match in pattern.finditer(path.read_text()):
@@ -325,6 +331,13 @@ def test_systemd_accepts_the_units_and_rates_them_well_hardened(tmp_path):
         assert float(score.group(1)) <= 2.0, f"{name}: {score.group(0)}"
 
 
+def test_env_example_and_the_configuration_table_are_generated_from_the_declarations():
+    from relay.management.commands.environment import generated
+
+    for path, text in generated(ROOT).items():
+        assert path.read_text() == text, f"{path.name}: run `manage.py environment --write`"
+
+
 def test_env_example_lists_every_variable_the_code_and_the_command_lines_read():
     listed = env_example()
     code = variables_the_code_reads()
@@ -343,7 +356,11 @@ def test_env_example_lists_every_variable_the_code_and_the_command_lines_read():
             assert index and lines[index - 1].startswith("#"), f"no comment for {line!r}"
     # The required ones are set (empty) rather than commented out, so they cannot be missed.
     required = {
-        "DEPLOYMENT", "SECRET_KEY", "CREDENTIAL_KEYS", "UNIFIEDPUSH_KEYS", "ALLOWED_HOSTS",
+        "DEPLOYMENT",
+        "SECRET_KEY",
+        "CREDENTIAL_KEYS",
+        "UNIFIEDPUSH_KEYS",
+        "ALLOWED_HOSTS",
         "POSTGRES_PASSWORD",
     }
     assert required <= set(read_env_file("\n".join(lines)))
@@ -643,6 +660,7 @@ def test_each_unit_runs_does_its_job_and_stops_cleanly_on_sigterm(deployment):
         assert check.returncode == 0, check.stderr
 
         wait_until(lambda: "gateway.started" in events(processes["gateway"]), timeout=60)
+
         # The gateway's and the worker's probe listeners (no component: nothing to wait for).
         def ready(probe_port: int) -> bool:
             try:
