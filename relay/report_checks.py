@@ -3,7 +3,6 @@ analytics database the Spark jobs cannot read (they need PostgreSQL)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from django.core.checks import CheckMessage, Warning, register
@@ -27,7 +26,7 @@ def reports_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
                 id="relay.W101",
             )
         )
-    url = os.environ.get("ANALYTICS_DATABASE_URL", "")
+    url = conf.current().analytics_database_url
     if url and not url.startswith(("postgres://", "postgresql://")):
         messages.append(
             Warning(

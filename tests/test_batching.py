@@ -492,7 +492,7 @@ def test_fcm_send_many_classifies_exactly_as_send(fcm):
         assert batch.message["data"] == {"account": "a" * 40, "push_id": "batch0"}
         same = ("android", "notification", "apns", "webpush")
         assert {k: single.message.get(k) for k in same} == {k: batch.message.get(k) for k in same}
-        for name in ("authorization", "x-goog-api-format-version", "x-firebase-client"):
+        for name in ("authorization", "content-type", "x-goog-api-format-version"):
             assert {k.lower(): v for k, v in batch.headers.items()}[name] == {
                 k.lower(): v for k, v in single.headers.items()
             }[name]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import subprocess
 import sys
 
+import pydantic
 import pytest
 from django.conf import settings
 from django.core.checks import run_checks
@@ -15,6 +15,7 @@ from django.test import override_settings
 
 from relay import conf
 from relay.checks import retry_window_check, state_store_check, web_check
+from relay.environment import Environment
 from tests.support.processes import ROOT
 
 pytestmark = pytest.mark.defaults
@@ -38,9 +39,9 @@ def test_the_object_types_what_settings_py_built():
     current = conf.current()
     assert current.send_retry_max_seconds == float(settings.RELAY["SEND_RETRY_MAX_SECONDS"])
     assert current.state_url == settings.RELAY["STATE_URL"]
-    assert current.credential_keys == tuple(settings.CREDENTIAL_KEYS)
+    assert current.credential_keys == tuple(settings.RELAY["CREDENTIAL_KEYS"])
     assert current.uwpx_rate_limit_address == tuple(settings.RELAY["UWPX_RATE_LIMIT_ADDRESS"])
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         current.send_max_attempts = 1  # type: ignore[misc]
 
 
@@ -51,18 +52,27 @@ def test_a_changed_setting_is_seen_and_its_end_too():
     assert conf.current().coalesce_seconds == before
 
 
-def test_a_reader_has_no_default_of_its_own():
+def test_a_setting_missing_from_relay_takes_its_one_declared_default():
     relay = {key: value for key, value in settings.RELAY.items() if key != "BREAKER_STALLS"}
-    with override_settings(RELAY=relay), pytest.raises(KeyError, match="BREAKER_STALLS"):
+    declared = Environment.model_fields["breaker_stalls"].default
+    with override_settings(RELAY={**relay}):
+        assert conf.current().breaker_stalls == declared == 3
+
+
+def test_a_malformed_value_is_refused_with_its_name():
+    with relay_settings(BREAKER_STALLS="three"), pytest.raises(pydantic.ValidationError) as refused:
         conf.current()
+    assert "breaker_stalls" in str(refused.value)
 
 
 # --- the broker's visibility timeout against the longest retry delay --------------------------
 
 
 def visibility(seconds: float | None, **changes: object) -> set[str]:
-    options = {} if seconds is None else {"visibility_timeout": seconds}
-    with override_settings(CELERY_BROKER_TRANSPORT_OPTIONS=options), relay_settings(**changes):
+    broker = "amqp://nowhere//" if seconds is None else "redis://127.0.0.1:1/0"
+    with relay_settings(
+        CELERY_BROKER_URL=broker, CELERY_VISIBILITY_TIMEOUT=seconds or 1, **changes
+    ):
         return {message.id for message in retry_window_check()}
 
 
@@ -150,5 +160,5 @@ def test_the_defaults_pass_the_web_process_check():
     ],
 )
 def test_a_web_setting_that_cannot_work_is_an_error(changes, code):
-    with override_settings(**changes):
+    with relay_settings(**changes):
         assert [message.id for message in web_check()] == [code]

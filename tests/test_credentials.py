@@ -14,6 +14,7 @@ import pytest
 from cryptography.fernet import Fernet
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from django.conf import settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import call_command
 from django.db import connection
@@ -134,11 +135,11 @@ def test_stored_credentials_are_encrypted_in_the_database(tenant, p8, service_ac
 
 @pytest.mark.defaults
 def test_any_configured_key_decrypts_and_an_unknown_key_is_reported_not_raised(tenant, p8):
-    with override_settings(CREDENTIAL_KEYS=[KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_A]}):
         app = make_app(tenant, apns_key=p8, apns_key_id="KEYID12345", apns_team_id="TEAMID1234")
-    with override_settings(CREDENTIAL_KEYS=[KEY_B, KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B, KEY_A]}):
         assert App.objects.get(pk=app.pk).apns_key == p8
-    with override_settings(CREDENTIAL_KEYS=[KEY_B]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B]}):
         loaded = App.objects.get(pk=app.pk)  # loading the row must not crash
         assert isinstance(loaded.apns_key, crypto.UnreadableCredential)
         assert p8 not in repr(loaded.apns_key)
@@ -148,19 +149,19 @@ def test_any_configured_key_decrypts_and_an_unknown_key_is_reported_not_raised(t
             registry.provider_for(loaded, "apns")
         assert caught.value.code == "APNS_CREDENTIALS_UNREADABLE"
         loaded.save()  # saving other fields keeps the stored ciphertext as it was
-    with override_settings(CREDENTIAL_KEYS=[KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_A]}):
         assert App.objects.get(pk=app.pk).apns_key == p8
 
 
 @pytest.mark.defaults
 def test_rotation_reencrypts_everything_so_the_old_key_can_go(tenant, p8, service_account_json):
-    with override_settings(CREDENTIAL_KEYS=[KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_A]}):
         first = make_app(tenant, "first", apns_key=p8, wns_secret=WNS_SECRET)
         second = make_app(tenant, "second", fcm_service_account=service_account_json)
         updated = {app.pk: App.objects.get(pk=app.pk).updated for app in (first, second)}
         before = raw_row(first)
 
-    with override_settings(CREDENTIAL_KEYS=[KEY_B, KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B, KEY_A]}):
         assert keys.credential_key_status().rotation_pending == 3
         out = io.StringIO()
         call_command("rotate_credentials", stdout=out)
@@ -173,7 +174,7 @@ def test_rotation_reencrypts_everything_so_the_old_key_can_go(tenant, p8, servic
 
     after = raw_row(first)
     assert after["apns_key"] != before["apns_key"]
-    with override_settings(CREDENTIAL_KEYS=[KEY_B]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B]}):
         assert App.objects.get(pk=first.pk).apns_key == p8
         assert App.objects.get(pk=first.pk).wns_secret == WNS_SECRET
         assert App.objects.get(pk=second.pk).fcm_service_account == service_account_json
@@ -183,7 +184,7 @@ def test_rotation_reencrypts_everything_so_the_old_key_can_go(tenant, p8, servic
 
 @pytest.mark.defaults
 def test_rotation_never_overwrites_a_credential_saved_meanwhile(tenant, monkeypatch):
-    with override_settings(CREDENTIAL_KEYS=[KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_A]}):
         app = make_app(tenant, wns_package_sid=WNS_SID, wns_secret="old-secret")
     real_decrypt = crypto.decrypt
 
@@ -192,7 +193,7 @@ def test_rotation_never_overwrites_a_credential_saved_meanwhile(tenant, monkeypa
         App.objects.filter(pk=app.pk).update(wns_secret="new-secret")
         return real_decrypt(stored)
 
-    with override_settings(CREDENTIAL_KEYS=[KEY_B, KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B, KEY_A]}):
         monkeypatch.setattr(crypto, "decrypt", decrypt_while_an_operator_saves)
         assert keys.rotate_credentials() == 0
         monkeypatch.setattr(crypto, "decrypt", real_decrypt)
@@ -217,16 +218,16 @@ def check_ids() -> set[str]:
 
 @pytest.mark.defaults
 def test_system_check_reports_unreadable_values_and_pending_rotation(tenant, p8):
-    with override_settings(CREDENTIAL_KEYS=[KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_A]}):
         make_app(tenant, apns_key=p8)
         assert check_ids() == set()
-    with override_settings(CREDENTIAL_KEYS=[KEY_C]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_C]}):
         assert "relay.W001" in check_ids()
-    with override_settings(CREDENTIAL_KEYS=[KEY_C, KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_C, KEY_A]}):
         assert check_ids() == {"relay.W002"}
         keys.rotate_credentials()
         assert check_ids() == set()
-    with override_settings(CREDENTIAL_KEYS=["not-a-fernet-key"]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": ["not-a-fernet-key"]}):
         assert check_ids() == {"relay.E002"}
 
 
@@ -454,9 +455,9 @@ def test_empty_inputs_keep_stored_secrets_and_clear_removes_one(tenant, p8, serv
 
 @pytest.mark.defaults
 def test_form_asks_for_a_credential_no_configured_key_decrypts(tenant):
-    with override_settings(CREDENTIAL_KEYS=[KEY_A]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_A]}):
         app = make_app(tenant, wns_package_sid=WNS_SID, wns_secret=WNS_SECRET)
-    with override_settings(CREDENTIAL_KEYS=[KEY_B]):
+    with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B]}):
         stored = App.objects.get(pk=app.pk)
         data = form_data(tenant, wns_package_sid=WNS_SID)
         data.update(name=app.name, public_key=app.public_key)
@@ -735,7 +736,7 @@ def test_a_running_worker_uses_new_credentials_without_restart(
             )
         )
 
-    worker = start_worker(CREDENTIAL_KEYS=",".join(settings.CREDENTIAL_KEYS))
+    worker = start_worker(CREDENTIAL_KEYS=",".join(settings.RELAY["CREDENTIAL_KEYS"]))
     try:
         send()
         wait_until(lambda: fake_fcm.send_count >= 1, timeout=30)

@@ -165,11 +165,17 @@ def normalized(argv: list[str]) -> list[str]:
 
 
 def variables_the_code_reads() -> set[str]:
+    """What relay/environment.py declares for the Python code, and the few names read
+    straight from os.environ (tools that run before or without Django's settings)."""
+    from relay.environment import declared
+
+    found = {
+        env for _, env, info in declared() if not (info.json_schema_extra or {}).get("read_by")
+    }
     pattern = re.compile(
-        r"(?:os\.environ\.get|os\.getenv|\benv\.get|\b_?env_[a-z_]+|_beat_time)"
-        r"\(\s*(?:env,\s*)?\"([A-Z][A-Z0-9_]*)\"|os\.environ\[\s*\"([A-Z][A-Z0-9_]*)\"\s*\]"
+        r"(?:os\.environ\.get|os\.getenv|\benv\.get)\(\s*\"([A-Z][A-Z0-9_]*)\""
+        r"|os\.environ\[\s*\"([A-Z][A-Z0-9_]*)\"\s*\]"
     )
-    found: set[str] = set()
     for package in ("pushsite", "relay", "xmppgateway", "analytics"):
         for path in (ROOT / package).rglob("*.py"):
             for match in pattern.finditer(path.read_text()):
@@ -323,6 +329,13 @@ def test_systemd_accepts_the_units_and_rates_them_well_hardened(tmp_path):
         assert score, security.stdout + security.stderr
         # 0 is a sandbox, 10 no protection at all; systemd calls up to 2.0 "OK".
         assert float(score.group(1)) <= 2.0, f"{name}: {score.group(0)}"
+
+
+def test_env_example_and_the_configuration_table_are_generated_from_the_declarations():
+    from relay.management.commands.environment import generated
+
+    for path, text in generated(ROOT).items():
+        assert path.read_text() == text, f"{path.name}: run `manage.py environment --write`"
 
 
 def test_env_example_lists_every_variable_the_code_and_the_command_lines_read():

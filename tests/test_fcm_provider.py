@@ -1,4 +1,5 @@
-"""The FCM provider through the real firebase-admin/google-auth clients against a fake FCM.
+"""The FCM provider against a fake FCM: its own HTTP v1 requests (urllib3), authorized by the
+real firebase-admin credential and google-auth's token grant.
 
 No database is touched (nothing is marked django_db). Django is set up here only because
 relay.models (Outcome) needs the app registry, so the module also runs without pytest-django.
@@ -17,6 +18,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -30,10 +32,12 @@ if not apps.ready:
 
 import firebase_admin
 from django.conf import settings
-from firebase_admin import messaging
+from firebase_admin import credentials, messaging
+from google.auth.transport.requests import Request as GoogleAuthRequest
 
 from relay.providers.base import Outcome, PushProvider, SendResult, Wakeup
-from relay.providers.fcm import GOOGLE_FCM_ENDPOINT, FcmConfig, FcmProvider
+from relay.providers.fcm import GOOGLE_FCM_ENDPOINT, FcmConfig, FcmProvider, send_url
+from relay.providers.payloads import FcmPayload
 from tests.fakes.fcm import (
     FakeFcm,
     make_service_account,
@@ -120,6 +124,23 @@ def test_account_wakeup_payload_is_normal_priority_collapsed_on_the_account(fake
     }
 
 
+def test_important_pushes_carry_the_apps_notification_block_and_silent_ones_none(fake):
+    provider = FcmProvider(
+        FcmConfig(fake.service_account(), fake.url),
+        payload=FcmPayload(push_id_key="push_id", notification_title="New message"),
+    )
+    try:
+        loud, silent = wakeup(important=True), wakeup()
+        assert provider.send(loud) == provider.send(silent) == SendResult.delivered()
+    finally:
+        provider.close()
+
+    [sent_loud], [sent_silent] = fake.requests_for(loud.token), fake.requests_for(silent.token)
+    assert sent_loud.message["notification"] == {"title": "New message"}
+    assert sent_loud.message["data"] == {"account": ACCOUNT, "push_id": loud.push_id}
+    assert "notification" not in sent_silent.message
+
+
 def test_provider_satisfies_the_interface(provider):
     assert provider.service == "fcm"
     assert isinstance(provider, FcmProvider)
@@ -142,6 +163,8 @@ def test_access_token_comes_from_the_token_uri_and_is_reused(fake, make_provider
     assert "https://www.googleapis.com/auth/cloud-platform" in grant.scope.split()
     bearers = {s.headers["authorization"] for s in sends}
     assert len(bearers) == 1 and bearers.pop().startswith("Bearer ya29.fake-")
+    # What firebase-admin's clients send to get FCM's detailed errors.
+    assert {s.headers["x-goog-api-format-version"] for s in sends} == {"2"}
 
 
 def test_many_threads_share_one_token_and_all_deliver(fake, provider):
@@ -184,6 +207,18 @@ def test_token_endpoint_down_is_retry_later(fake, make_provider):
     provider = make_provider(account, fake.url)
 
     assert provider.send(wakeup()) == SendResult(Outcome.RETRY_LATER, "OAUTH_NETWORK")
+
+
+def test_a_token_endpoint_that_never_answers_is_retry_later_within_the_timeout(make_provider):
+    """The token request is held to the provider's timeout (google-auth's own default, which
+    `Certificate.get_access_token()` uses, is 120 s: every send waits for the lock meanwhile)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        account = make_service_account(f"http://127.0.0.1:{silent.getsockname()[1]}/token")
+        provider = make_provider(account, "http://127.0.0.1:9", timeout=0.3)
+
+        started = time.monotonic()
+        assert provider.send(wakeup()) == SendResult(Outcome.RETRY_LATER, "OAUTH_NETWORK")
+        assert time.monotonic() - started < 2.0
 
 
 # --- outcomes
@@ -540,3 +575,127 @@ def test_no_background_threads_or_requests_to_google(fake):
         assert provider.send(wakeup()).outcome == Outcome.DELIVERED
         provider.close()
     assert [t.name for t in threading.enumerate() if t.ident not in before] == []
+
+
+# --- google-auth's regional access boundary lookup, and proxies
+
+
+class SilentProxy:
+    """An HTTP proxy that takes requests (CONNECT or absolute-form) and holds them unanswered
+    until `close()`: a lookup started through it stays in flight, so its thread can be seen."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.requests: list[str] = []
+        self._held: list[socket.socket] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            line = conn.makefile("rb").readline().decode("latin-1").strip()
+            with self._cond:
+                self._held.append(conn)
+                self.requests.append(line)
+                self._cond.notify_all()
+
+    def wait_for_request(self, timeout: float = 5.0) -> str:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.requests, timeout):
+                raise AssertionError("no request reached the proxy")
+            return self.requests[0]
+
+    def close(self) -> None:
+        """Refuse what is held: a lookup in flight fails and its thread ends."""
+        self._listener.close()
+        with self._cond:
+            held, self._held = self._held, []
+        for conn in held:
+            conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+            conn.close()
+
+
+@pytest.fixture
+def proxy(monkeypatch) -> Iterator[SilentProxy]:
+    """The proxy for every scheme, except for 127.0.0.1 (the fake FCM and its token_uri)."""
+    proxy = SilentProxy()
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("https_proxy", proxy.url)
+    monkeypatch.setenv("http_proxy", proxy.url)
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    yield proxy
+    proxy.close()
+
+
+def new_threads(before: set[threading.Thread]) -> list[str]:
+    return [t.name for t in threading.enumerate() if t not in before]
+
+
+GOOGLE_SEND_URL = send_url(GOOGLE_FCM_ENDPOINT, "test-project")
+
+
+def test_google_auth_looks_the_boundary_up_in_before_request(fake, proxy):
+    """Why the provider never calls `Credentials.before_request`: google-auth then asks
+    iamcredentials.googleapis.com for a "regional access boundary", with the access token, in
+    a thread, which an FCM send does not need."""
+    credential = credentials.Certificate(fake.service_account()).get_credential()
+
+    credential.before_request(GoogleAuthRequest(), "POST", GOOGLE_SEND_URL, {})
+
+    assert proxy.wait_for_request().startswith("CONNECT iamcredentials.googleapis.com:443 ")
+
+
+def test_google_auth_refresh_alone_looks_nothing_up(fake, proxy):
+    """The provider's token path: `refresh` fetches the token and starts no lookup. Fails when
+    google-auth moves the lookup there (then the provider needs a look before the upgrade)."""
+    credential = credentials.Certificate(fake.service_account()).get_credential()
+    before = set(threading.enumerate())
+
+    credential.refresh(GoogleAuthRequest())
+
+    # A lookup would be a thread held at the proxy now.
+    assert credential.valid and new_threads(before) == [] and proxy.requests == []
+    assert [g.client_email for g in fake.token_grants] == [credential.service_account_email]
+
+
+def test_a_provider_for_google_sends_through_the_proxy_and_nothing_else(fake, proxy):
+    """Google's endpoint, through the environment's proxy: the send is the only request that
+    leaves (no boundary lookup), and a proxy that never answers is RETRY_LATER in time."""
+    provider = FcmProvider(FcmConfig(fake.service_account(), GOOGLE_FCM_ENDPOINT), timeout=0.3)
+    before = set(threading.enumerate())
+    try:
+        started = time.monotonic()
+        assert provider.send(wakeup()).outcome == Outcome.RETRY_LATER
+        assert time.monotonic() - started < 2.0
+        assert [r.rsplit(" ", 1)[0] for r in proxy.requests] == ["CONNECT fcm.googleapis.com:443"]
+        assert new_threads(before) == []
+        assert len(fake.token_grants) == 1
+    finally:
+        provider.close()
+
+
+def test_no_proxy_is_honoured_and_a_plain_http_endpoint_is_proxied_too(fake, proxy, monkeypatch):
+    """The environment's proxy settings as requests reads them, once per provider."""
+    direct = FcmProvider(FcmConfig(fake.service_account(), fake.url), timeout=0.3)
+    try:
+        assert direct.send(wakeup()) == SendResult.delivered()
+    finally:
+        direct.close()
+    assert proxy.requests == []
+
+    monkeypatch.setenv("no_proxy", "localhost")  # the token_uri below, not the endpoint
+    account = fake.service_account()
+    account["token_uri"] = account["token_uri"].replace("127.0.0.1", "localhost")
+    proxied = FcmProvider(FcmConfig(account, fake.url), timeout=0.3)
+    try:
+        assert proxied.send(wakeup()) == SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+    finally:
+        proxied.close()
+    assert proxy.requests == [f"POST {proxied.send_url} HTTP/1.1"]
+    assert fake.send_count == 1 and len(fake.token_grants) == 2

@@ -242,7 +242,7 @@ def test_web_metrics_show_the_stored_state_without_secrets(client, fcm_app):
 
 
 def test_the_metrics_token_is_required_once_set(client):
-    with override_settings(METRICS_TOKEN="scrape-me"):
+    with override_settings(RELAY={**settings.RELAY, "METRICS_TOKEN": "scrape-me"}):
         assert client.get("/metrics").status_code == 401
         assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
         assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-me").status_code == 200
@@ -324,6 +324,6 @@ def test_the_dashboard_uses_every_metric_and_no_other():
 def test_a_probe_address_that_cannot_be_parsed_is_a_system_check_error(listen, errors):
     from relay.checks import probe_listen_check
 
-    with override_settings(GATEWAY_PROBE_LISTEN=listen):
+    with override_settings(RELAY={**settings.RELAY, "GATEWAY_PROBE_LISTEN": listen}):
         found = [message.id for message in probe_listen_check()]
     assert found == ["relay.E120"] * errors

@@ -19,6 +19,7 @@ import urllib.request
 from email.message import Message
 
 import pytest
+from django.conf import settings
 from django.test import override_settings
 from pywebpush import webpush
 
@@ -317,7 +318,7 @@ def test_key_rotation_keeps_old_endpoints_until_the_old_key_goes(lab):
     assert lab.post(base + "/push/" + old.url.rsplit("/push/", 1)[1])[0] == 404
     assert lab.post(new.url.replace(new.url.split("/push/")[0], base), b"new")[0] == 201
     assert phone.wait_for_pushes(2)[1].body == b"new"
-    with override_settings(UNIFIEDPUSH_KEYS=[new_key]):
+    with override_settings(RELAY={**settings.RELAY, "UNIFIEDPUSH_KEYS": [new_key]}):
         wait_until(lambda: lab.delivered() == 2)
 
 

@@ -297,14 +297,14 @@ def test_the_system_check_names_bad_keys_and_messages_no_key_opens(push_client, 
     from relay.unifiedpush.checks import unifiedpush_keys_check
     from relay.unifiedpush.services.keys import new_master_key
 
-    with override_settings(UNIFIEDPUSH_KEYS=["tooshort"]):
+    with override_settings(RELAY={**settings.RELAY, "UNIFIEDPUSH_KEYS": ["tooshort"]}):
         assert [m.id for m in unifiedpush_keys_check()] == ["relay.E011"]
-    old = settings.UNIFIEDPUSH_KEYS
+    old = settings.RELAY["UNIFIEDPUSH_KEYS"]
     post(push_client, register(up_component).endpoint)
     assert unifiedpush_keys_check() == []
-    with override_settings(UNIFIEDPUSH_KEYS=[new_master_key(), *old]):
+    with override_settings(RELAY={**settings.RELAY, "UNIFIEDPUSH_KEYS": [new_master_key(), *old]}):
         assert unifiedpush_keys_check() == []  # rotating: the old key still opens it
-    with override_settings(UNIFIEDPUSH_KEYS=[new_master_key()]):
+    with override_settings(RELAY={**settings.RELAY, "UNIFIEDPUSH_KEYS": [new_master_key()]}):
         [warning] = unifiedpush_keys_check()
         assert warning.id == "relay.W030" and warning.msg.startswith("1 stored")
 
@@ -378,7 +378,7 @@ def test_an_opened_token_is_reused_but_still_expires_and_needs_its_key(push_clie
         messages.accept(token=token, body=b"x", ttl=None, topic=None, urgency=None,
                         now=time.time() + 120)  # fmt: skip
     assert refused.value.status == 404
-    with override_settings(UNIFIEDPUSH_KEYS=[new_master_key()]):
+    with override_settings(RELAY={**settings.RELAY, "UNIFIEDPUSH_KEYS": [new_master_key()]}):
         assert post(push_client, registered.endpoint).status_code == 404
     assert post(push_client, registered.endpoint).status_code == 201  # the key is back
     tampered = registered.endpoint[:-5] + (

@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+from django.conf import settings
 from django.test import override_settings
 
 from relay.unifiedpush.services import keys, tokens
@@ -17,6 +18,10 @@ pytestmark = pytest.mark.defaults
 JID = "juliet@example.com/Conversations.r4nD"
 APPLICATION = os.urandom(32)
 INSTANCE = os.urandom(32)
+
+
+def keys_setting(*keys: str) -> override_settings:
+    return override_settings(RELAY={**settings.RELAY, "UNIFIEDPUSH_KEYS": keys})
 
 
 def issue(ring=None, *, jid=JID, expires=None):
@@ -132,16 +137,16 @@ def test_garbage_is_refused(garbage):
 
 def test_rotation_new_key_encrypts_and_old_tokens_still_open():
     old_key = new_master_key()
-    with override_settings(UNIFIEDPUSH_KEYS=[old_key]):
+    with keys_setting(old_key):
         old_token, _ = issue()
     new_key = new_master_key()
-    with override_settings(UNIFIEDPUSH_KEYS=[new_key, old_key]):
+    with keys_setting(new_key, old_key):
         assert tokens.open_token(old_token, now=time.time()).jid == JID
         new_token, issued = issue()
         assert (
             issued.kid == keyring().current.kid != tokens.open_token(old_token, now=time.time()).kid
         )
-    with override_settings(UNIFIEDPUSH_KEYS=[new_key]):  # the old key dropped
+    with keys_setting(new_key):  # the old key dropped
         assert tokens.open_token(new_token, now=time.time()).jid == JID
         with pytest.raises(tokens.InvalidToken):
             tokens.open_token(old_token, now=time.time())
@@ -149,11 +154,11 @@ def test_rotation_new_key_encrypts_and_old_tokens_still_open():
 
 def test_sealed_values_rotate_the_same_way():
     old_key, new_key = new_master_key(), new_master_key()
-    with override_settings(UNIFIEDPUSH_KEYS=[old_key]):
+    with keys_setting(old_key):
         sealed = keyring().seal(b"body")
-    with override_settings(UNIFIEDPUSH_KEYS=[new_key, old_key]):
+    with keys_setting(new_key, old_key):
         assert keyring().unseal(sealed) == b"body"
-    with override_settings(UNIFIEDPUSH_KEYS=[new_key]), pytest.raises(keys.Unsealable):
+    with keys_setting(new_key), pytest.raises(keys.Unsealable):
         keyring().unseal(sealed)
 
 

@@ -7,6 +7,7 @@ retry later or failed. Everything else (retries, records, dead registrations) is
 
 from __future__ import annotations
 
+import email.utils
 import functools
 import logging
 import os
@@ -14,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import ClassVar, Protocol
 
@@ -63,6 +65,26 @@ class SendResult:
     @classmethod
     def delivered(cls) -> SendResult:
         return cls(Outcome.DELIVERED)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent/bad."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        return None
+    return max(0.0, seconds)
 
 
 class PushProvider(Protocol):

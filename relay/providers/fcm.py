@@ -1,24 +1,58 @@
-"""Firebase Cloud Messaging (HTTP v1) through the real firebase-admin client.
+"""Firebase Cloud Messaging through its documented HTTP v1 REST API, authorized with the
+service account's credential from firebase-admin.
 
 The wire payload is a content-free wake-up (docs/protocols.md 1.4): the device's token, the account
 hash (plus the room hash for a room), a collapse key and the Android priority. The provider sees
 hashes only, never a JID or a body.
 
-Sends go through firebase-admin's public API (`messaging.send`; its exceptions are classified
-here). What has no public way (the endpoint, the library's retries, google-auth's regional
-access boundary lookup) is in `relay.providers.fcm_endpoint`, the one module that touches
-firebase-admin's private names.
+Why the REST API and not `firebase_admin.messaging.send`: a send is one documented request
+(`POST {endpoint}/v1/projects/{project}/messages:send` with `{"message": ...}` and a Bearer
+access token, https://firebase.google.com/docs/reference/fcm/rest/v1/projects.messages/send),
+and its errors are the documented google.rpc.Status with a `google.firebase.fcm.v1.FcmError`
+detail. Through `messaging.send` every send also ran requests' per-request work and
+google-auth's AuthorizedSession: more than twice this path's CPU per send, at a lower rate
+(docs/benchmarks.md, "Providers", has the figures, measured back to back); and the endpoint,
+the library's retries and google-auth's regional access boundary lookup could only be changed
+through private names. Here the URL is ours (the app's endpoint setting), urllib3's
+PoolManager sends without retries (the relay's queue retries with its own backoff), and the
+access token comes from the credential firebase-admin holds for the app
+(`App.credential.get_credential()`), refreshed with google-auth's public `Credentials.refresh`
+within the provider timeout. Nothing private of either library is used. `refresh` does not
+start google-auth's regional access boundary lookup (only `before_request` does, which this
+module never calls); tests/test_fcm_provider.py checks that against the installed google-auth.
+
+Classification (`classify_answer`, `classify_auth_error`):
+
+===============================================  ===========  ============================
+FCM's answer                                     Outcome      error_code
+===============================================  ===========  ============================
+2xx                                              DELIVERED    ""
+UNREGISTERED, SENDER_ID_MISMATCH                 DEAD_TOKEN   the errorCode
+INVALID_ARGUMENT (or a bare 400) about the token DEAD_TOKEN   INVALID_ARGUMENT / HTTP_400
+INVALID_ARGUMENT (or a bare 400), anything else  FAILED       INVALID_ARGUMENT / HTTP_400
+QUOTA_EXCEEDED, UNAVAILABLE, INTERNAL,           RETRY_LATER  the errorCode or HTTP_<code>,
+408, 429, 5xx                                                 with Retry-After if sent
+401 after two token refreshes, 403, 404 without  FAILED       the errorCode (such as
+UNREGISTERED, THIRD_PARTY_AUTH_ERROR                          THIRD_PARTY_AUTH_ERROR) or
+                                                              HTTP_<code>
+timeout / refused or dropped connection          RETRY_LATER  TIMEOUT / NETWORK
+token endpoint refuses the key                   FAILED       OAUTH_REFUSED
+token endpoint says "try again" / unreachable    RETRY_LATER  OAUTH_UNAVAILABLE / _NETWORK
+===============================================  ===========  ============================
+
+A token's failures are the device's (DEAD_TOKEN); a refused credential, project or message is
+the operator's (FAILED: backoff will not fix it); the rest passes (RETRY_LATER). `error_code`
+is never an exception message or FCM's text (FCM may echo the token in one).
 """
 
 from __future__ import annotations
 
-import asyncio
-import email.utils
 import functools
 import json
 import logging
+import os
 import threading
-import time
+import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,18 +62,25 @@ from urllib.parse import urlsplit
 import firebase_admin
 import google.auth.exceptions
 import requests
+import requests.certs
+import urllib3
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from firebase_admin import credentials, exceptions, messaging
+from firebase_admin import credentials
 from google.auth.transport.requests import Request as GoogleAuthRequest
 
-from relay.providers import fcm_endpoint
-from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
-from relay.providers.fcm_endpoint import GOOGLE_FCM_ENDPOINT
+from relay.providers.base import (
+    DEFAULT_TIMEOUT_SECONDS,
+    Outcome,
+    SendResult,
+    Wakeup,
+    parse_retry_after,
+)
 from relay.providers.payloads import FcmPayload
 
 logger = logging.getLogger(__name__)
 
+GOOGLE_FCM_ENDPOINT = "https://fcm.googleapis.com"
 DEFAULT_PAYLOAD = FcmPayload()
 _REQUIRED_FIELDS = ("project_id", "client_email", "private_key", "token_uri")
 _FCM_ERROR_TYPE = "type.googleapis.com/google.firebase.fcm.v1.FcmError"
@@ -47,9 +88,18 @@ _BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
 # Statuses that mean "FCM or the path to it is having a moment": try again later.
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_FCM_CODES = frozenset({"QUOTA_EXCEEDED", "UNAVAILABLE", "INTERNAL"})
-# Threads shared by this provider's `send_many` batches (the session's pool holds 100
-# connections; RELAY MAX_IN_FLIGHT_PER_PROVIDER bounds what is actually in flight).
+# Threads shared by this provider's `send_many` batches (RELAY MAX_IN_FLIGHT_PER_PROVIDER
+# bounds what is actually in flight).
 SEND_MANY_THREADS = 64
+# Connections kept open to the endpoint: the batches' threads plus a worker's own.
+POOL_CONNECTIONS = 100
+# Every send's headers besides the token. X-GOOG-API-FORMAT-VERSION 2 is what firebase-admin's
+# clients send to ask FCM for its detailed errors (the google.rpc.BadRequest field violations
+# `_is_about_token` reads).
+_HEADERS = {"Content-Type": "application/json", "X-GOOG-API-FORMAT-VERSION": "2"}
+# Times a send refused with 401 gets a new access token and is repeated (what google-auth's
+# AuthorizedSession does, which firebase-admin sends through).
+AUTH_REFRESHES = 2
 
 
 def _check_url(value: str, what: str) -> str:
@@ -112,32 +162,47 @@ class FcmConfig:
         return cls(service_account=info, endpoint=endpoint.rstrip("/"))
 
 
-def _retry_after(response: requests.Response | None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds or HTTP-date), if there is one."""
-    if response is None:
-        return None
-    value = response.headers.get("Retry-After", "").strip()
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
+def send_url(endpoint: str, project_id: str) -> str:
+    """projects.messages.send of the v1 API under `endpoint` (Google's, or a fake's)."""
+    return f"{endpoint.rstrip('/')}/v1/projects/{project_id}/messages:send"
 
 
-def _error_body(response: requests.Response | None) -> dict[str, Any]:
-    if response is None:
-        return {}
+def build_message(wakeup: Wakeup, payload: FcmPayload | None = None) -> dict[str, Any]:
+    """The v1 request body: the whole payload of docs/protocols.md 1.4, nothing else (unless
+    the app's payload options rename the keys, add the push id, or a notification block for
+    important pushes).
+
+    collapse_key: the first 6 characters of the room hash for a room, else of the account
+    hash, so FCM keeps one pending wake-up per account or room (a newer one replaces an
+    undelivered older one) while different rooms/accounts do not swallow each other.
+    """
+    payload = payload or DEFAULT_PAYLOAD
+    data = {payload.account_key: wakeup.account}
+    if wakeup.channel:
+        data[payload.channel_key] = wakeup.channel
+    if payload.push_id_key:
+        data[payload.push_id_key] = wakeup.push_id
+    message: dict[str, Any] = {
+        "token": wakeup.token,
+        "data": data,
+        "android": {
+            "collapse_key": (wakeup.channel or wakeup.account)[:6],
+            "priority": "high" if wakeup.important else "normal",
+        },
+    }
+    if wakeup.important and (payload.notification_title or payload.notification_body):
+        texts = {"title": payload.notification_title, "body": payload.notification_body}
+        message["notification"] = {name: text for name, text in texts.items() if text}
+    return {"message": message}
+
+
+def _error_body(body: bytes) -> dict[str, Any]:
+    """The `error` object of FCM's answer (a google.rpc.Status), or {}."""
     try:
-        body = response.json()
+        document = json.loads(body)
     except ValueError:
         return {}
-    error = body.get("error") if isinstance(body, dict) else None
+    error = document.get("error") if isinstance(document, dict) else None
     return error if isinstance(error, dict) else {}
 
 
@@ -162,95 +227,62 @@ def _is_about_token(error: dict[str, Any]) -> bool:
     return "registration token" in str(error.get("message", "")).lower()
 
 
-def classify(error: Exception) -> SendResult:
-    """Map a firebase-admin / google-auth failure to an outcome.
+def classify_answer(status: int, body: bytes, retry_after: str | None = None) -> SendResult:
+    """FCM's answer to a send that was not a 2xx (the table in the module docstring)."""
+    error = _error_body(body)
+    fcm_code = _fcm_error_code(error)
+    code = fcm_code or f"HTTP_{status}"
+    if fcm_code in ("UNREGISTERED", "SENDER_ID_MISMATCH"):
+        return SendResult(Outcome.DEAD_TOKEN, code)
+    if fcm_code == "INVALID_ARGUMENT" or (not fcm_code and status == 400):
+        outcome = Outcome.DEAD_TOKEN if _is_about_token(error) else Outcome.FAILED
+        return SendResult(outcome, code)
+    if fcm_code in _TRANSIENT_FCM_CODES or status in _TRANSIENT_HTTP or status >= 500:
+        return SendResult(Outcome.RETRY_LATER, code, parse_retry_after(retry_after))
+    return SendResult(Outcome.FAILED, code)
 
-    - UNREGISTERED, SENDER_ID_MISMATCH, INVALID_ARGUMENT about the token: DEAD_TOKEN (the
-      device's address will never work again with this sender).
-    - INVALID_ARGUMENT about anything else: FAILED (our own message is wrong; the token may
-      be fine, so it must not be killed).
-    - QUOTA_EXCEEDED/429, UNAVAILABLE/503, INTERNAL/500, other 5xx, 408, timeouts, refused or
-      dropped connections, a token endpoint that is down or says "try again": RETRY_LATER,
-      with `retry_after` from a Retry-After header when FCM sends one.
-    - THIRD_PARTY_AUTH_ERROR, 401 (after google-auth's own refresh-and-retry), 403, 404 without
-      UNREGISTERED, a token endpoint that refuses our key: FAILED. These are the operator's
-      credentials or project, not the device, and retrying with backoff will not fix them.
 
-    `error_code` is FCM's errorCode, else `HTTP_<status>`, else NETWORK / TIMEOUT / OAUTH_*;
-    never an exception message (FCM may echo the token in one).
-    """
+def classify_auth_error(error: google.auth.exceptions.GoogleAuthError) -> SendResult:
+    """A failed access token fetch: our key refused is the operator's to fix; a token endpoint
+    that is down or asks to try again passes."""
     if isinstance(error, google.auth.exceptions.RefreshError):
         if getattr(error, "retryable", False):
             return SendResult(Outcome.RETRY_LATER, "OAUTH_UNAVAILABLE")
         return SendResult(Outcome.FAILED, "OAUTH_REFUSED")
     if isinstance(error, google.auth.exceptions.TransportError):
         return SendResult(Outcome.RETRY_LATER, "OAUTH_NETWORK")
-    if isinstance(error, google.auth.exceptions.GoogleAuthError):
-        return SendResult(Outcome.FAILED, "OAUTH_ERROR")
-    if not isinstance(error, exceptions.FirebaseError):
-        raise TypeError(f"not a provider error: {error.__class__.__name__}") from error
-
-    response = error.http_response
-    if response is None:
-        if isinstance(error, exceptions.DeadlineExceededError):
-            return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
-        return SendResult(Outcome.RETRY_LATER, "NETWORK")
-
-    status = response.status_code
-    body = _error_body(response)
-    fcm_code = _fcm_error_code(body)
-    code = fcm_code or f"HTTP_{status}"
-    if fcm_code in ("UNREGISTERED", "SENDER_ID_MISMATCH"):
-        return SendResult(Outcome.DEAD_TOKEN, code)
-    if fcm_code == "INVALID_ARGUMENT" or (not fcm_code and status == 400):
-        outcome = Outcome.DEAD_TOKEN if _is_about_token(body) else Outcome.FAILED
-        return SendResult(outcome, code)
-    if fcm_code in _TRANSIENT_FCM_CODES or status in _TRANSIENT_HTTP or status >= 500:
-        return SendResult(Outcome.RETRY_LATER, code, _retry_after(response))
-    return SendResult(Outcome.FAILED, code)
+    return SendResult(Outcome.FAILED, "OAUTH_ERROR")
 
 
-def build_message(wakeup: Wakeup, payload: FcmPayload | None = None) -> messaging.Message:
-    """The whole payload of docs/protocols.md 1.4, nothing else (unless the app's payload options
-    rename the keys, add the push id, or a notification block for important pushes).
-
-    collapse_key: the first 6 characters of the room hash for a room, else of the account
-    hash, so FCM keeps one pending wake-up per account or room (a newer one replaces an
-    undelivered older one) while different rooms/accounts do not swallow each other.
-    """
-    payload = payload or DEFAULT_PAYLOAD
-    data = {payload.account_key: wakeup.account}
-    if wakeup.channel:
-        data[payload.channel_key] = wakeup.channel
-    if payload.push_id_key:
-        data[payload.push_id_key] = wakeup.push_id
-    notification = None
-    if wakeup.important and (payload.notification_title or payload.notification_body):
-        notification = messaging.Notification(
-            title=payload.notification_title or None, body=payload.notification_body or None
-        )
-    message = messaging.Message(
-        data=data,
-        notification=notification,
-        android=messaging.AndroidConfig(
-            collapse_key=(wakeup.channel or wakeup.account)[:6],
-            priority="high" if wakeup.important else "normal",
-        ),
+def _connections(url: str) -> urllib3.PoolManager:
+    """The pool `url`'s sends go through, with what requests would take from the environment
+    for it (the proxy, unless NO_PROXY names the host; the CA bundle), read once."""
+    parts = urlsplit(url)
+    ca_bundle = (
+        os.environ.get("REQUESTS_CA_BUNDLE")
+        or os.environ.get("CURL_CA_BUNDLE")
+        or requests.certs.where()
     )
-    # 7.7.0 deprecates `token=` in favour of `fid=` (a Firebase installation ID, a different
-    # address); phones register FCM tokens. Setting the attribute keeps the wire field `token`
-    # without a DeprecationWarning (warnings.catch_warnings is not thread-safe).
-    message.token = wakeup.token
-    return message
+    options: dict[str, Any] = {
+        "maxsize": POOL_CONNECTIONS,
+        "cert_reqs": "CERT_REQUIRED",
+        "ca_certs": ca_bundle,
+    }
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
+        return urllib3.PoolManager(**options)
+    auth = urllib3.util.parse_url(proxy).auth
+    headers = urllib3.make_headers(proxy_basic_auth=auth) if auth else None
+    return urllib3.ProxyManager(proxy, proxy_headers=headers, **options)
 
 
 class FcmProvider:
     """Sends wake-ups for one Firebase project; safe to share between threads.
 
-    Each instance owns a uniquely named firebase_admin.App (deleted in `close`), so apps with
-    different credentials or endpoints never share state. The OAuth token is fetched from the
-    service account's `token_uri` once (under a lock, so a burst of threads fetches it once)
-    and reused until google-auth considers it stale.
+    Each instance owns a uniquely named firebase_admin.App (deleted in `close`), whose
+    credential is the service account's. The OAuth access token is fetched from its
+    `token_uri` once (under a lock, so a burst of threads fetches it once) and reused until
+    google-auth considers it stale (shortly before it expires), or until FCM refuses it.
     """
 
     service: ClassVar[str] = "fcm"
@@ -261,39 +293,41 @@ class FcmProvider:
         self.config = config
         self.payload = payload or DEFAULT_PAYLOAD
         self.timeout = DEFAULT_TIMEOUT_SECONDS if timeout is None else float(timeout)
+        self.send_url = send_url(config.endpoint, config.project_id)
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None
         self._token_lock = threading.Lock()
         self._close_lock = threading.Lock()
-        certificate = credentials.Certificate(dict(config.service_account))
+        self._http = _connections(self.send_url)
+        self._request_timeout = urllib3.Timeout(connect=self.timeout, read=self.timeout)
+        self._token_session = requests.Session()
+        self._token_request = functools.partial(
+            GoogleAuthRequest(self._token_session), timeout=self.timeout
+        )
         self._app = firebase_admin.initialize_app(
-            certificate,
-            options={"httpTimeout": self.timeout, "projectId": config.project_id},
+            credentials.Certificate(dict(config.service_account)),
+            options={"projectId": config.project_id},
             name=f"relay-fcm-{uuid.uuid4().hex}",
         )
-        try:
-            # The same credential object the app's sends authorize with.
-            self._credential = certificate.get_credential()
-            self.send_url = fcm_endpoint.point_at(self._app, self._credential, config.endpoint)
-            self._token_session = requests.Session()
-            self._token_request = functools.partial(
-                GoogleAuthRequest(self._token_session), timeout=self.timeout
-            )
-        except BaseException:
-            firebase_admin.delete_app(self._app)
-            raise
+        # google-auth's service-account credential: `token`, `valid` and `refresh` are public.
+        self._credential = self._app.credential.get_credential()
 
     def __repr__(self) -> str:
         return f"<FcmProvider project={self.config.project_id} url={self.send_url}>"
 
-    def _ensure_token(self) -> None:
-        # google-auth refreshes without a lock: without this, N threads starting together
-        # would each fetch a token.
-        if self._credential.valid:
-            return
+    def _authorization(self, refused: str = "") -> str:
+        """`Bearer <access token>`: a new token when there is none, google-auth calls it stale,
+        or FCM just refused `refused` (unless another thread has replaced that one already).
+        google-auth refreshes without a lock; without this one, N threads starting together
+        would each fetch a token."""
+        token = self._credential.token
+        if token and self._credential.valid and f"Bearer {token}" != refused:
+            return f"Bearer {token}"
         with self._token_lock:
-            if not self._credential.valid:
+            token = self._credential.token
+            if not (token and self._credential.valid) or f"Bearer {token}" == refused:
                 self._credential.refresh(self._token_request)
+            return f"Bearer {self._credential.token}"
 
     def send(self, wakeup: Wakeup) -> SendResult:
         if self._closed:
@@ -301,24 +335,40 @@ class FcmProvider:
             return SendResult(Outcome.RETRY_LATER, "CLOSED")
         if not wakeup.token:
             return SendResult(Outcome.DEAD_TOKEN, "EMPTY_TOKEN")
-        message = build_message(wakeup, self.payload)
-        try:
-            self._ensure_token()
-            messaging.send(message, app=self._app)
-        except (exceptions.FirebaseError, google.auth.exceptions.GoogleAuthError) as error:
-            return self._not_delivered(wakeup, classify(error))
-        except ValueError:
-            if self._closed:  # the App was deleted under this send
-                return SendResult(Outcome.RETRY_LATER, "CLOSED")
-            raise
-        return SendResult.delivered()
+        body = json.dumps(build_message(wakeup, self.payload)).encode()
+        refused = ""
+        for _ in range(AUTH_REFRESHES + 1):
+            try:
+                authorization = self._authorization(refused)
+            except google.auth.exceptions.GoogleAuthError as error:
+                return self._not_delivered(wakeup, classify_auth_error(error))
+            try:
+                answer = self._http.request(
+                    "POST",
+                    self.send_url,
+                    body=body,
+                    headers={**_HEADERS, "Authorization": authorization},
+                    timeout=self._request_timeout,
+                    retries=False,
+                    redirect=False,
+                )
+            except urllib3.exceptions.NewConnectionError:  # (a ConnectTimeoutError subclass)
+                return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
+            except urllib3.exceptions.TimeoutError:
+                return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "TIMEOUT"))
+            except urllib3.exceptions.HTTPError:
+                return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
+            if 200 <= answer.status < 300:
+                return SendResult.delivered()
+            if answer.status != 401:
+                break
+            # A token revoked before its time: a new one, and the send repeated.
+            refused = authorization
+        result = classify_answer(answer.status, answer.data, answer.headers.get("Retry-After"))
+        return self._not_delivered(wakeup, result)
 
     def send_many(self, wakeups: list[Wakeup]) -> list[SendResult]:
-        """A batch as `send` each, over a thread pool this provider's batches share.
-
-        Not `messaging.send_each`: it starts a thread per message on every call, and a token
-        endpoint failure inside it fails the whole batch as one UnknownError.
-        """
+        """A batch as `send` each, over a thread pool this provider's batches share."""
         with self._close_lock:
             if self._closed:
                 return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
@@ -362,14 +412,6 @@ class FcmProvider:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
-        fcm_endpoint.close_connections(self._app)
+        self._http.clear()
         self._token_session.close()
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            firebase_admin.delete_app(self._app)
-            return
-        # delete_app closes the async client with asyncio.run(), which fails inside a loop.
-        worker = threading.Thread(target=firebase_admin.delete_app, args=(self._app,))
-        worker.start()
-        worker.join()
+        firebase_admin.delete_app(self._app)

@@ -46,7 +46,6 @@ client secret and the access token.
 
 from __future__ import annotations
 
-import email.utils
 import ipaddress
 import json
 import logging
@@ -56,14 +55,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import lru_cache
 from typing import ClassVar
 from urllib.parse import urlsplit
 
 import httpx
 
-from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
+from relay.providers.base import (
+    DEFAULT_TIMEOUT_SECONDS,
+    Outcome,
+    SendResult,
+    Wakeup,
+    parse_retry_after,
+)
 from relay.providers.payloads import WnsPayload
 
 logger = logging.getLogger(__name__)
@@ -266,26 +270,6 @@ class _AuthError(Exception):
     def __init__(self, result: SendResult) -> None:
         super().__init__(result.error_code)
         self.result = result
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent/bad."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = (when - datetime.now(UTC)).total_seconds()
-    if seconds != seconds or seconds in (float("inf"), float("-inf")):
-        return None
-    return max(0.0, seconds)
 
 
 @lru_cache(maxsize=1)
