@@ -362,6 +362,13 @@ CELERY_BEAT_SCHEDULE = {
         "task": "relay.remove_unused_registrations",
         "schedule": ENV.registration_cleanup_seconds,
     },
+    # Deferred sends (retries, coalescing windows) wait in the database until due.
+    "sweep-deferred-sends": {
+        "task": "relay.sweep_deferred_sends",
+        "schedule": ENV.deferred_sweep_seconds,
+        # A sweep that waited in a long queue is stale: the next one comes anyway.
+        "options": {"expires": max(10.0, 5 * ENV.deferred_sweep_seconds)},
+    },
 }
 
 
