@@ -408,7 +408,10 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "relay.logging.JsonFormatter"}},
-    "filters": {"mask_secrets": {"()": "relay.logging.MaskSecrets"}},
+    "filters": {
+        "mask_secrets": {"()": "relay.logging.MaskSecrets"},
+        "quiet_sweep": {"()": "relay.logging.QuietSweep"},
+    },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
@@ -431,6 +434,8 @@ LOGGING = {
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
         "celery": {"level": LOG_LEVEL},
+        # Beat sends the deferred sweep every second: its line would be most of beat's log.
+        "celery.beat": {"filters": ["quiet_sweep"]},
         # Workers log through these handlers (CELERY_WORKER_HIJACK_ROOT_LOGGER off): Celery's
         # per-task lines would carry every job's arguments; delivery.done says what matters.
         "celery.worker.strategy": {"level": "WARNING"},
