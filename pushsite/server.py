@@ -75,7 +75,7 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one connection may take of a worker (README, configuration: WEB_*)."""
+    """What one connection may take of a worker (docs/configuration.md: WEB_*)."""
 
     max_head_bytes: int
     max_headers: int

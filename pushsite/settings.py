@@ -65,7 +65,7 @@ CREDENTIAL_KEYS = _credential_keys()
 
 def _unifiedpush_keys() -> list[str]:
     """32-byte keys (base64url) for UnifiedPush endpoint tokens and stored messages; the first
-    encrypts, all decrypt (rotation: README, "UnifiedPush keys")."""
+    encrypts, all decrypt (rotation: docs/unifiedpush.md, "Keys and their rotation")."""
     if ENV.unifiedpush_keys:
         return list(ENV.unifiedpush_keys)
     if PRODUCTION:
