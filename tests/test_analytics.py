@@ -358,6 +358,33 @@ def test_an_unchanged_day_is_not_read_again_and_a_changed_one_is_replaced(
     ).count() == len(snapshot)
 
 
+def test_a_push_whose_only_change_is_its_send_time_is_recomputed(spark, database, tmp_path):
+    """A redelivered push answered later: only `sent` moves, and the day's latency with it."""
+    day = date(2026, 6, 1)
+    database.deliveries("alpha", "apns", delivered("a.example", [100, 200, 300], day))
+    database.wait_for_replica()
+    config = make_config(database, tmp_path, day, day)
+    assert jobs.run(spark, config, progress=lambda _: None).changed == [day]
+    assert usage_rows(database, day)[("provider", "alpha", "conv", "apns")][-3:] == (
+        200.0,
+        300.0,
+        300.0,
+    )
+    database.execute(
+        "UPDATE relay_delivery SET sent = received + interval '900 ms' WHERE id = ("
+        "SELECT max(id) FROM relay_delivery WHERE received >= %s AND received < %s)",
+        (at(day, 0), at(day + timedelta(days=1), 0)),
+    )
+    database.wait_for_replica()
+    again = jobs.run(spark, config, progress=lambda _: None)
+    assert again.changed == [day]
+    assert usage_rows(database, day)[("provider", "alpha", "conv", "apns")][-3:] == (
+        200.0,
+        900.0,
+        900.0,
+    )
+
+
 # --- retention: a report outlives its raw records ------------------------------------------------
 
 P0, P1, P2, P3, P4 = (date(2026, 5, 4) + timedelta(days=n) for n in range(5))
