@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -634,6 +635,15 @@ def test_run_reports_command_shows_progress_and_refuses_a_bad_database(database,
     assert "1 day(s), 1 to compute" in done.stdout
     assert "loading the daily aggregates" in done.stdout and "done: 1 day(s)" in done.stdout
     assert (tmp_path / "export" / f"report-{D2}-{D2}.html").exists()
+    # Quiet: the progress lines and the files written, nothing of Spark's or the JVM's (their
+    # stderr is in the job's log file); each step says how long it took.
+    lines = done.stdout.splitlines()
+    noise = [line for line in lines if not re.match(r"\[reports[ 0-9.s]*\] |wrote ", line)]
+    assert noise == [], done.stdout
+    for step in ("read and summed", "usage and latency percentiles", "registrations"):
+        assert any(re.search(rf"{step}.* in \d+\.\ds$", line) for line in lines), done.stdout
+    assert re.search(r"Spark \S+ on local\[\*\] started in \d+\.\ds", done.stdout)
+    assert (tmp_path / "var" / "reports-job.log").exists()
 
     bad = {**env, "ANALYTICS_DATABASE_URL": "sqlite:///elsewhere.sqlite3"}
     refused = subprocess.run(
