@@ -190,6 +190,9 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
             + (f" ({len(unreported)} never reported: left without a report)" if unreported else "")
         )
     if not changed:
+        # The files still say what the runs cover now (a month ended since: complete).
+        summary.files = _write_files(spark, config, tenants, set(stored))
+        steps.done(f"HTML report and monthly exports: {len(summary.files)} file(s)")
         summary.seconds = steps.elapsed
         say(f"done: nothing changed, in {summary.seconds:.1f}s")
         return summary
@@ -215,7 +218,7 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
             f"loading the daily aggregates into {config.primary.describe()}: "
             f"{sum(summary.loaded.values())} row(s)"
         )
-    summary.files = _write_files(spark, config)
+    summary.files = _write_files(spark, config, tenants, set(stored) | set(changed))
     store.write_fingerprints(spark, config.output, {**stored, **{d: current[d] for d in changed}})
     steps.done(f"HTML report and monthly exports: {len(summary.files)} file(s)")
     summary.seconds = steps.elapsed
@@ -377,8 +380,11 @@ ERROR_SCHEMA = (
 )
 
 
-def _write_files(spark: SparkSession, config: JobConfig) -> list[str]:
-    """The HTML report of the range and the CSV exports of every month it touches."""
+def _write_files(
+    spark: SparkSession, config: JobConfig, tenants: dict[int, str], reported: set[date]
+) -> list[str]:
+    """The HTML report of the range and the CSV exports of every month it touches: one per
+    tenant (zeros for one without activity), saying which days the runs covered (`reported`)."""
     config.export_dir.mkdir(parents=True, exist_ok=True)
     months = exports.months_of(config.days)
     first = min(config.since, months[0])
@@ -414,7 +420,15 @@ def _write_files(spark: SparkSession, config: JobConfig) -> list[str]:
     for month in months:
         files += [
             str(path)
-            for path in exports.write_month(config.export_dir, month, usage, registrations)
+            for path in exports.write_month(
+                config.export_dir,
+                month,
+                usage,
+                registrations,
+                tenants=tenants.values(),
+                reported=reported,
+                today=config.today,
+            )
         ]
     return files
 

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from analytics import jobs, reports
+from analytics import exports, jobs, reports
 from analytics.config import Database, JobConfig, Thresholds, Unreachable
 from tests.analytics_data import (
     D1,
@@ -301,7 +301,57 @@ def test_html_report_and_monthly_export(first_run, workdir):
         "11",
     )
     assert (total["registrations_peak"], total["days_in_month"]) == ("3", "31")
+    # What the file covers: the days the runs covered (D3 had no record), not the whole month.
+    for row in rows:
+        assert (row["days_reported"], row["status"], row["days_covered"]) == (
+            "3",
+            "partial",
+            f"{D1}..{D3}",
+        )
     assert any("3 to compute" in line for line in lines)
+
+
+def test_every_tenant_gets_its_monthly_file_and_a_month_in_progress_is_partial(
+    spark, database, tmp_path
+):
+    """February 2026 reported whole: complete, 28 days, and a tenant without any activity
+    gets its file of zeros. Written on its last day, the same month is partial."""
+    database.tenant("idle")
+    database.deliveries("beta", "fcm", delivered("c.example", [10, 20], date(2026, 2, 10)))
+    database.wait_for_replica()
+    first, last = date(2026, 2, 1), date(2026, 2, 28)
+    config = make_config(database, tmp_path, first, last, today=date(2026, 3, 1))
+    jobs.run(spark, config, progress=lambda _: None)
+    folder = tmp_path / "export" / "monthly" / "2026-02"
+
+    def read(tenant: str) -> list[dict[str, str]]:
+        with (folder / f"{tenant}.csv").open() as handle:
+            return list(csv.DictReader(handle))
+
+    [idle] = read("idle")
+    assert (idle["app"], idle["provider"], idle["status"], idle["days_reported"]) == (
+        "(all)",
+        "(all)",
+        "complete",
+        "28",
+    )
+    assert idle["days_covered"] == f"{first}..{last}"
+    assert all(idle[column] == "0" for column in ("publishes_received", "pushes_sent", "delivered"))
+    beta = read("beta")[-1]
+    assert (beta["pushes_sent"], beta["days_reported"], beta["status"]) == ("2", "28", "complete")
+    assert read("alpha")[-1]["pushes_sent"] == "0"
+
+    # Written on the month's last day (nothing changed, the files are written again): partial.
+    jobs.run(spark, replace(config, today=last), progress=lambda _: None)
+    assert [row["status"] for row in read("idle") + read("beta")] == ["partial"] * 3
+
+
+def test_the_days_covered_are_written_as_ranges():
+    days = [date(2026, 11, d) for d in (1, 2, 3, 5, 7, 8)]
+    assert (
+        exports.covered_ranges(days) == "2026-11-01..2026-11-03 2026-11-05 2026-11-07..2026-11-08"
+    )
+    assert exports.covered_ranges([]) == ""
 
 
 def test_no_private_value_in_any_output(first_run, database, workdir):
