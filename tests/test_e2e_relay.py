@@ -18,8 +18,9 @@ from relay.identifiers import account_hash
 from relay.models import App, Component, ComponentLink, Delivery, Registration, Tenant
 from relay.report_models import PublishTally
 from tests.fakes.fcm import FakeFcm
-from tests.support.processes import start_gateway, start_worker, test_database_url, wait_until
+from tests.support.processes import start_gateway, start_worker, test_database_url
 from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

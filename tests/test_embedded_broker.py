@@ -31,7 +31,8 @@ from relay.models import Delivery
 from relay.providers.base import Outcome
 from relay.services.publishing import Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm
-from tests.support.processes import ROOT, ServiceProcess, service_env, wait_until, worker_argv
+from tests.support.processes import ROOT, ServiceProcess, service_env, worker_argv
+from tests.support.waiting import wait_until
 from tests.test_worker_kill import children_of, prepare_kill_run, push_ids_at_fake
 
 # The file-backed broker is the embedded defaults' own: the PostgreSQL suite has Redis instead.

@@ -47,10 +47,10 @@ from tests.support.processes import (
     ServiceProcess,
     service_env,
     start_gateway,
-    wait_until,
     worker_argv,
 )
 from tests.support.services import PrivatePostgres, PrivateRedis
+from tests.support.waiting import wait_until
 
 SECRET = "fault-secret"
 TEMPLATE_DB = "relay_template"

@@ -18,8 +18,9 @@ from relay.models import LinkLease, Service
 from relay.services.registrations import register_device
 from tests.support import broker
 from tests.support.component_server import FakeXmppServer, error_of
-from tests.support.processes import start_gateway, test_database_url, wait_until
+from tests.support.processes import start_gateway, test_database_url
 from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_until
 from tests.test_gateway_stanzas import COMPONENT, SECRET, Lab, make_component, publish_xml
 
 pytestmark = pytest.mark.django_db(transaction=True)

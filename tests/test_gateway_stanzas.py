@@ -19,7 +19,8 @@ from relay.models import App, Component, ComponentLink, Registration, Service, T
 from relay.services.registrations import register_device
 from tests.support import broker
 from tests.support.component_server import FakeXmppServer, error_of
-from tests.support.processes import start_gateway, wait_until
+from tests.support.processes import start_gateway
+from tests.support.waiting import wait_until
 
 # On the embedded defaults, the tests marked `defaults` below stand for the module: what the
 # others test does not depend on the database or the broker, and each starts a gateway.

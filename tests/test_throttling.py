@@ -22,7 +22,7 @@ from relay.services.registrations import register_device
 from relay.services.throttling import Decision, Fold, Limit
 from relay.services.throttling.redis_store import RedisStore
 from tests.support.broker import queued_jobs_with_eta
-from tests.support.processes import wait_until
+from tests.support.waiting import wait_until
 
 LONG_WINDOW = 30.0  # long enough that no test depends on timing
 UNLIMITED = Limit(rate=0, burst=1)

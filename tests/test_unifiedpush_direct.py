@@ -17,7 +17,7 @@ import pytest
 
 from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
 from relay.unifiedpush.services import messages
-from tests.support.processes import wait_until
+from tests.support.waiting import wait_until
 from tests.test_unifiedpush_e2e import COMPONENT, lab  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.django_db(transaction=True)]

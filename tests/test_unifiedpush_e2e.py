@@ -27,8 +27,9 @@ from relay.models import Component, ComponentLink, Tenant
 from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, UnifiedPushRevocation
 from relay.unifiedpush.services import messages
 from relay.unifiedpush.services.keys import new_master_key
-from tests.support.processes import start_gateway, start_web, wait_until
+from tests.support.processes import start_gateway, start_web
 from tests.support.unifiedpush_phone import Phone
+from tests.support.waiting import wait_until
 from tests.support.xmpp_client import new_username, register_account
 
 # On the embedded defaults, the tests marked `defaults` below stand for the module: what the

@@ -13,8 +13,9 @@ import urllib.request
 import pytest
 
 from tests.support.component_server import FakeXmppServer
-from tests.support.processes import ROOT, service_env, start_gateway, start_web, wait_until
+from tests.support.processes import ROOT, service_env, start_gateway, start_web
 from tests.support.services import PrivatePostgres
+from tests.support.waiting import wait_until
 
 SETUP = """
 import base64, os, time

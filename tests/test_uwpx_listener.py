@@ -21,7 +21,8 @@ from cryptography.x509.oid import NameOID
 
 from relay.models import Registration, WnsDevice
 from tests.support.ports import free_port, port_accepts
-from tests.support.processes import ROOT, ServiceProcess, service_env, wait_until
+from tests.support.processes import ROOT, ServiceProcess, service_env
+from tests.support.waiting import wait_until
 from tests.uwpx_examples import SEED_SET_ACCOUNTS
 
 pytestmark = [pytest.mark.django_db(transaction=True)]

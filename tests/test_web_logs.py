@@ -24,7 +24,8 @@ import relay.logging as relay_logging
 from relay.models import Component, Tenant
 from relay.unifiedpush.services import messages
 from tests.support.endpoints import new_endpoint
-from tests.support.processes import ServiceProcess, start_dev_server, start_web, wait_until
+from tests.support.processes import ServiceProcess, start_dev_server, start_web
+from tests.support.waiting import wait_until
 
 TOKEN = "v4.local.4ojRFvuaHlxoJOk-W3ndu-zjmvz4zANiImFOTlaxBoZIJY2K.dmxVbjBkOGg"
 REFERENCE = "AAAAAAAAAAE.0123456789abcdef01234567"

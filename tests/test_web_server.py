@@ -26,8 +26,9 @@ from relay.unifiedpush.models import UnifiedPushMessage
 from relay.unifiedpush.services import messages
 from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
-from tests.support.processes import ServiceProcess, child_pids, start_web, wait_until
+from tests.support.processes import ServiceProcess, child_pids, start_web
 from tests.support.raw_http import Reader, closed_by_peer, exchange, post, request
+from tests.support.waiting import wait_until
 
 LIMITS = {
     "WEB_HEAD_SECONDS": "2",

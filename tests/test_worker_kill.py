@@ -34,8 +34,9 @@ from relay.services import throttling
 from relay.services.publishing import Publish, Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm
 from tests.support import broker
-from tests.support.processes import ServiceProcess, service_env, wait_until, worker_argv
+from tests.support.processes import ServiceProcess, service_env, worker_argv
 from tests.support.provider_fakes import configure_fcm
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 

@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
 from django.db import connection
+
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,17 +28,6 @@ def test_database_url(host: str | None = None, port: int | None = None) -> str:
     host = host or db.get("HOST") or "127.0.0.1"
     port = port or int(db.get("PORT") or 5432)
     return f"postgres://{user}{password}@{host}:{port}/{db['NAME']}"
-
-
-def wait_until(check: Callable[[], object], timeout: float = 15.0, interval: float = 0.1) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout}s")
-        time.sleep(interval)
 
 
 class ServiceProcess:
