@@ -277,7 +277,7 @@ class Lab:
         for _ in range(workers):
             self.start_worker()
         for tenant in self.tenants.values():
-            tenant.server.wait_connected(timeout=30)
+            tenant.server.wait_connected(gateway=self.gateway)
 
     def start_worker(self) -> ServiceProcess:
         worker = ServiceProcess(

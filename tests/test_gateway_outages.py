@@ -41,7 +41,7 @@ def test_database_outage_answers_wait_and_recovers(transactional_db):
     broker.purge()
     gateway = start_gateway(DATABASE_URL=_proxied_database_url(proxy))
     try:
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         lab = Lab(server, gateway, component, registration)
         assert lab.publish().get("type") == "result"
         proxy.cut()
@@ -66,7 +66,7 @@ def test_broker_outage_answers_wait_and_recovers(transactional_db):
     broker.purge()
     gateway = start_gateway(CELERY_BROKER_URL=f"redis://127.0.0.1:{proxy.port}{url.path}")
     try:
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         lab = Lab(server, gateway, component, registration)
         assert lab.publish().get("type") == "result"
         proxy.cut()
@@ -95,7 +95,7 @@ def test_a_link_holds_at_most_its_cap_of_requests_and_answers_bad_input_meanwhil
     broker.purge()
     gateway = start_gateway(RELAY_LINK_MAX_IN_FLIGHT="3")
     try:
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         lab = Lab(server, gateway, component, registration)
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute("LOCK TABLE relay_registration IN ACCESS EXCLUSIVE MODE")
@@ -133,7 +133,7 @@ def test_a_gateway_cut_off_from_the_database_drops_its_link_before_its_lease_exp
         RELAY_GATEWAY_RENEW_SECONDS="1",
     )
     try:
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         wait_until(
             lambda: LinkLease.objects.filter(component=component).exclude(holder="").exists()
         )

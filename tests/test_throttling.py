@@ -497,7 +497,7 @@ def test_gateway_answers_wait_to_publishes_over_the_rate_and_result_to_folded_on
     broker.purge()
     gateway = start_gateway(RELAY_COALESCE_SECONDS="30")
     try:
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         replies = [
             server.request(publish_xml(f"p{i}", answer.node, answer.secret), f"p{i}")
             for i in range(4)

@@ -76,7 +76,7 @@ def test_a_database_restart_costs_some_503s_and_loses_nothing(postgres):
             .splitlines()[-1]
         )
         gateway = start_gateway(DATABASE_URL=database_url, RELAY_UNIFIEDPUSH_SWEEP_SECONDS="0.5")
-        xmpp.wait_connected(timeout=30)
+        xmpp.wait_connected(gateway=gateway)
         for n in range(40):  # every web thread now holds a database connection
             assert post(endpoint, f"before {n}".encode()) == 201
         postgres.stop()

@@ -58,7 +58,7 @@ class Lab:
 
     def start_gateway(self, **env: str) -> None:
         self.gateway = start_gateway(**{**GATEWAY_ENV, **env})
-        self.server.wait_connected(count=self.server.connections + 1)
+        self.server.wait_connected(count=self.server.connections + 1, gateway=self.gateway)
 
     def iq(self, body: str, *, sender: str = PHONE, iq_type: str = "set") -> ET.Element:
         self._ids += 1
@@ -449,7 +449,7 @@ def test_a_link_that_drops_loses_nothing(lab):
     lab.post(endpoint, b"in flight")
     lab.next_push()  # sent, never answered: the link drops
     lab.server.drop_connection()
-    lab.server.wait_connected(count=lab.server.connections + 1, timeout=20)
+    lab.server.wait_connected(count=lab.server.connections + 1, gateway=lab.gateway)
     again = lab.server.wait_for(lambda s: s.find(PUSH) is not None, count=2, timeout=15)[1]
     assert body_of(again) == b"in flight"
     lab.answer(again)
@@ -459,7 +459,7 @@ def test_a_link_that_drops_loses_nothing(lab):
 def test_app_component_keeps_its_p2_commands_beside_unifiedpush(lab):
     app = App.objects.create(tenant=lab.component.tenant, name="conversations")
     Component.objects.filter(pk=lab.component.pk).update(app=app)
-    lab.server.wait_connected(count=lab.server.connections + 1, timeout=20)  # reconnected
+    lab.server.wait_connected(count=lab.server.connections + 1, gateway=lab.gateway)  # reconnected
     info = lab.iq("<query xmlns='http://jabber.org/protocol/disco#info'/>", iq_type="get")
     features = {f.get("var") for f in info.iter("{http://jabber.org/protocol/disco#info}feature")}
     assert {UP_NS, "http://jabber.org/protocol/commands", "urn:xmpp:push:0"} <= features
