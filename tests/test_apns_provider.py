@@ -40,6 +40,7 @@ from tests.fakes.apns import (
     make_expired_certificate,
     make_p8_key,
 )
+from tests.support.waiting import wait_until
 
 TOPIC = "org.example.app"
 ACCOUNT = "ec164939a8485ee6b7f7871071a11c7bb18aead5"
@@ -434,12 +435,8 @@ def test_forked_child_gets_its_own_loop(provider, fake):
     assert len(fake.wait_for_requests(3)) == 3
 
 
-def _wait_until(condition, timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
+def _wait_until(condition, timeout: float = 30.0) -> None:
+    wait_until(condition, timeout, interval=0.01)
 
 
 # --- certificate auth ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from relay.report_models import PublishTally
 from tests.fakes.fcm import FakeFcm
 from tests.support.processes import start_gateway, start_worker, test_database_url
 from tests.support.proxy import TcpProxy
-from tests.support.waiting import wait_until
+from tests.support.waiting import holds_for, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -119,9 +119,9 @@ def test_a_message_to_an_absent_user_wakes_the_phone_once(
     friend.send_message(phone.bare_jid, "hello, are you there?")
 
     [request] = relay.fake.wait_for_requests(1, timeout=30)
-    time.sleep(2)  # nothing more may follow for one message
-    sent = relay.fake.requests_for(token)
-    assert len(sent) == 1
+    holds_for(
+        lambda: len(relay.fake.requests_for(token)) == 1, 2, "nothing more follows one message"
+    )
     message = request.message
     assert message["token"] == token
     assert message["data"] == {"account": account_hash(phone.bare_jid, DEVICE_ID)}
@@ -186,10 +186,12 @@ def test_an_unknown_node_is_item_not_found(ejabberd, relay_on, xmpp_client_facto
     friend.send_message(phone.bare_jid, "one")
     wait_until(lambda: relay.verdicts("unknown-node") >= 1, timeout=20)
     friend.send_message(phone.bare_jid, "two")
-    time.sleep(2)
-    # ejabberd dropped the registration after our item-not-found: no second publish came.
-    assert relay.verdicts("unknown-node") == 1
-    assert relay.fake.send_count == 0
+    # ejabberd dropped the registration after our item-not-found: no second publish comes.
+    holds_for(
+        lambda: relay.verdicts("unknown-node") == 1 and relay.fake.send_count == 0,
+        2,
+        "no second publish",
+    )
 
 
 def test_a_dead_token_ends_the_registration_on_the_users_server(
@@ -212,9 +214,11 @@ def test_a_dead_token_ends_the_registration_on_the_users_server(
     friend.send_message(phone.bare_jid, "two")
     wait_until(lambda: relay.verdicts("unknown-node") >= 1, timeout=20)
     friend.send_message(phone.bare_jid, "three")
-    time.sleep(2)
-    assert relay.verdicts("unknown-node") == 1  # ejabberd stopped publishing to it
-    assert relay.fake.send_count == 1
+    holds_for(
+        lambda: relay.verdicts("unknown-node") == 1 and relay.fake.send_count == 1,
+        2,
+        "ejabberd stopped publishing to it",
+    )
 
 
 def test_a_dead_token_makes_prosody_disable_push(

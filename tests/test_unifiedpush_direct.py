@@ -17,7 +17,7 @@ import pytest
 
 from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
 from relay.unifiedpush.services import messages
-from tests.support.waiting import wait_until
+from tests.support.waiting import holds_for, wait_until
 from tests.test_unifiedpush_e2e import COMPONENT, lab  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -46,8 +46,7 @@ def test_an_online_phone_has_its_push_before_the_201_and_nothing_is_stored(lab):
     wait_until(lambda: lab.delivered() == 3)
     assert not UnifiedPushMessage.objects.exists()
     assert set(UnifiedPushDelivery.objects.values_list("attempts", "size")) == {(1, 6)}
-    time.sleep(0.5)
-    assert len(phone.pushes_now()) == 3
+    holds_for(lambda: len(phone.pushes_now()) == 3, 0.5, "each push arrives once")
 
 
 def test_a_silent_phone_holds_the_post_for_the_window_then_the_message_is_stored(lab):  # noqa: F811
@@ -65,9 +64,11 @@ def test_a_silent_phone_holds_the_post_for_the_window_then_the_message_is_stored
     assert message_id(headers) == stored.pk
     assert len(phone.pushes_now()) == 1
     # In flight until its answer timeout (10 s here): not sent again meanwhile.
-    time.sleep(2)
-    assert len(phone.pushes_now()) == 1
-    assert UnifiedPushMessage.objects.count() == 1
+    holds_for(
+        lambda: len(phone.pushes_now()) == 1 and UnifiedPushMessage.objects.count() == 1,
+        2,
+        "in flight, not sent again",
+    )
 
 
 def test_ttl_0_to_a_silent_phone_is_tried_once_and_never_kept(lab):  # noqa: F811
@@ -243,8 +244,11 @@ def test_posts_on_a_kept_alive_connection_go_the_direct_path_from_the_event_loop
     assert bodies[: 20 + slow] == expected
     wait_until(lambda: lab.delivered() == 20 + slow)
     assert not UnifiedPushMessage.objects.exists()
-    time.sleep(0.5)
-    assert len(phone.pushes_now()) == 21 + slow  # the revoked endpoint's second POST: not sent
+    holds_for(
+        lambda: len(phone.pushes_now()) == 21 + slow,
+        0.5,
+        "the revoked endpoint's second POST is not sent",
+    )
 
 
 @pytest.mark.parametrize("how", ["stop", "kill", "client hangs up"])

@@ -571,7 +571,7 @@ class FakeFcm:
                     raise TimeoutError("fake FCM: connections still open")
                 self._cond.wait(left)
 
-    def wait_for_requests(self, n: int, timeout: float = 5.0) -> list[RecordedSend]:
+    def wait_for_requests(self, n: int, timeout: float = 30.0) -> list[RecordedSend]:
         """Block until at least `n` sends arrived; all of them, or TimeoutError."""
         deadline = time.monotonic() + timeout
         with self._cond:
