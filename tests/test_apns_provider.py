@@ -289,13 +289,13 @@ def test_untrusted_server_certificate_is_retry_later(p8, make_provider, fake):
 def test_slow_answer_times_out_and_the_next_send_works(fake, p8, make_provider):
     provider = make_provider(token_config(fake, p8[0]), timeout=0.3)
     slow = token()
-    fake.respond(slow, delay=2.0)
+    fake.respond(slow, delay=30.0)  # far past the bound below: room for a loaded machine
 
     started = time.monotonic()
     result = provider.send(wakeup(slow))
 
     assert (result.outcome, result.error_code) == (Outcome.RETRY_LATER, "TIMEOUT")
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 10
     assert provider.send(wakeup(token())).outcome == Outcome.DELIVERED
 
 
