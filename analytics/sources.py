@@ -133,7 +133,7 @@ DELIVERIES = Source(
     table="relay_delivery",
     time_column="received",
     # A redelivered or replayed push updates its row in place (same id, same count).
-    # Integer sums only (a hash of each row's text cost more than the rest of the scan).
+    # Integer sums only (hashing each row's text would cost more than the rest of the scan).
     checksum="sum(attempts) + 1009 * count(sent) "
     "+ 7919 * count(*) FILTER (WHERE outcome = 'delivered') "
     "+ 104729 * count(*) FILTER (WHERE outcome = 'failed') + 3 * sum(length(error_code))",

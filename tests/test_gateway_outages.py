@@ -121,7 +121,7 @@ def test_a_gateway_cut_off_from_the_database_drops_its_link_before_its_lease_exp
     transactional_db,
 ):
     """Another gateway may take the link once the lease expired in the database's clock: the
-    holder, unable to renew, must have closed it by then (README "Scaling out")."""
+    holder, unable to renew, must have closed it by then (docs/production.md, "Scaling out")."""
     db = settings.DATABASES["default"]
     proxy = TcpProxy(db.get("HOST") or "127.0.0.1", int(db.get("PORT") or 5432))
     server = FakeXmppServer(COMPONENT, SECRET)

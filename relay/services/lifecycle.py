@@ -38,8 +38,8 @@ _EVENT_SQL = (
 
 def _record(rows: Sequence[dict[str, Any]], kind: str, at: datetime) -> None:
     """One insert for the events; `rows` carry id, app_id, app__tenant_id, service and the
-    event's live_change. A plain multi-row INSERT: the ORM's bulk_create cost about a quarter
-    of a Windows registration's CPU."""
+    event's live_change. A plain multi-row INSERT: the ORM's bulk_create would be a large
+    part of a Windows registration's CPU."""
     if not rows:
         return
     when = connection.ops.adapt_datetimefield_value(at)
