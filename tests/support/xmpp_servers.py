@@ -71,7 +71,7 @@ class XmppServer(ABC):
         c2s_port: int | None = None,
         component_port: int | None = None,
         startup_timeout: float = 60.0,
-        stop_timeout: float = 5.0,
+        stop_timeout: float = 30.0,
     ) -> None:
         self._components: tuple[Component, ...] = tuple((str(j), str(s)) for j, s in components)
         if not self._components:
@@ -184,7 +184,7 @@ class XmppServer(ABC):
             _running.discard(self)
             if proc.poll() is None and not graceful:
                 self._kill_group(proc)
-                proc.wait(5)
+                proc.wait(30)
             elif proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
@@ -192,7 +192,7 @@ class XmppServer(ABC):
                     proc.wait(self.stop_timeout)
                 except subprocess.TimeoutExpired:
                     self._kill_group(proc)
-                    proc.wait(5)
+                    proc.wait(30)
             # Helpers the server spawned in its own session (e.g. Erlang port programs).
             self._kill_group(proc)
         if self._console is not None:
@@ -334,7 +334,7 @@ class ProsodyServer(XmppServer):
         c2s_port: int | None = None,
         component_port: int | None = None,
         startup_timeout: float = 60.0,
-        stop_timeout: float = 5.0,
+        stop_timeout: float = 30.0,
     ) -> None:
         super().__init__(
             components,
@@ -416,7 +416,7 @@ class EjabberdServer(XmppServer):
         c2s_port: int | None = None,
         component_port: int | None = None,
         startup_timeout: float = 120.0,
-        stop_timeout: float = 3.0,
+        stop_timeout: float = 30.0,
     ) -> None:
         super().__init__(
             components,
