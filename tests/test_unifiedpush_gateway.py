@@ -300,8 +300,9 @@ def test_an_answer_from_someone_else_is_ignored(lab):
     lab.answer(push, "item-not-found", sender="mallory@localhost/x")
     lab.answer(push, sender="mallory@localhost/x")
     holds_for(
-        lambda: UnifiedPushMessage.objects.count() == 1
-        and not UnifiedPushRevocation.objects.exists(),
+        lambda: (
+            UnifiedPushMessage.objects.count() == 1 and not UnifiedPushRevocation.objects.exists()
+        ),
         0.5,
         "someone else's answers change nothing",
     )
