@@ -46,7 +46,7 @@ def test_database_outage_answers_wait_and_recovers(transactional_db):
         proxy.cut()
         assert error_of(lab.publish()) == ("wait", "internal-server-error")
         proxy.restore()
-        wait_until(lambda: lab.publish().get("type") == "result", timeout=20, interval=0.5)
+        wait_until(lambda: lab.publish().get("type") == "result", interval=0.5)
     finally:
         assert gateway.stop() == 0
         server.close()
@@ -71,7 +71,7 @@ def test_broker_outage_answers_wait_and_recovers(transactional_db):
         proxy.cut()
         assert error_of(lab.publish()) == ("wait", "internal-server-error")
         proxy.restore()
-        wait_until(lambda: lab.publish().get("type") == "result", timeout=20, interval=0.5)
+        wait_until(lambda: lab.publish().get("type") == "result", interval=0.5)
         assert len(broker.queued_jobs()) >= 2
     finally:
         assert gateway.stop() == 0

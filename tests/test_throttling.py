@@ -134,7 +134,7 @@ def test_take_tokens_refills_at_the_rate(store):
     [bucket] = buckets(Limit(rate=20, burst=1))
     assert store.take_tokens([bucket]) is None
     assert store.take_tokens([bucket]) is not None
-    wait_until(lambda: store.take_tokens([bucket]) is None, timeout=5, interval=0.01)
+    wait_until(lambda: store.take_tokens([bucket]) is None, interval=0.01)
 
 
 def test_take_tokens_is_exact_under_concurrency(store):

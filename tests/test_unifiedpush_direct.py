@@ -189,7 +189,7 @@ def test_a_gateway_gone_during_the_window_loses_nothing(lab, how):  # noqa: F811
     phone.answer_with = "result"
     lab.start_gateway()
     phone.announce(COMPONENT[0])
-    wait_until(lambda: lab.delivered() == 1, timeout=20)
+    wait_until(lambda: lab.delivered() == 1)
     assert not UnifiedPushMessage.objects.exists()
 
 
@@ -283,7 +283,7 @@ def test_a_post_waiting_in_the_event_loop_is_never_lost(lab, how):  # noqa: F811
         assert status == 201
         assert message_id(headers) == UnifiedPushMessage.objects.get().pk
     # Stored (by the gateway, or by the web process after the hop broke) in every case.
-    wait_until(lambda: UnifiedPushMessage.objects.count() == 1, timeout=10)
+    wait_until(lambda: UnifiedPushMessage.objects.count() == 1)
     connection.close()
     assert "Traceback" not in lab.web.log_text()
     if how != "client hangs up":

@@ -95,7 +95,7 @@ def test_a_database_restart_costs_some_503s_and_loses_nothing(postgres):
             count=40 + stored_after,
         )
         assert len(pushes) == 40 + stored_after
-        wait_until(lambda: '"unifiedpush.listening"' in gateway.log_text(), timeout=5)
+        wait_until(lambda: '"unifiedpush.listening"' in gateway.log_text())
         assert "Traceback" not in web.log_text()
     finally:
         if gateway is not None:

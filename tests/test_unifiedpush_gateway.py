@@ -315,7 +315,7 @@ def test_no_answer_is_temporary_and_a_late_result_still_counts_once(lab):
     lab.post(endpoint, b"slow")
     first = lab.next_push()
     lab.answered.add(first.get("id"))  # the phone says nothing for now
-    wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists(), timeout=10)
+    wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists())
     lab.answer(first)  # late
     wait_until(lambda: not UnifiedPushMessage.objects.exists())
     records = UnifiedPushDelivery.objects.all()
@@ -361,7 +361,7 @@ def test_a_message_whose_ttl_passes_while_the_phone_is_away_expires(lab):
     endpoint = lab.endpoint()
     lab.post(endpoint, b"short-lived", TTL="1")
     lab.answer(lab.next_push(), "service-unavailable")
-    record = wait_until(lambda: UnifiedPushDelivery.objects.first(), timeout=15)
+    record = wait_until(lambda: UnifiedPushDelivery.objects.first())
     assert record.outcome == "expired" and record.ttl == 1
     assert not UnifiedPushMessage.objects.exists()
     tried = len(lab.all_pushes())  # the first push, and maybe a retry within the second

@@ -126,7 +126,7 @@ def start_listener(app, tls_files, tmp_path, **env: str) -> tuple[ServiceProcess
     # A folder of its own: its rate-limit counters (file cache) start empty.
     process = ServiceProcess("uwpx-listener", argv, service_env(VAR_DIR=str(var), **env))
     try:
-        wait_until(lambda: port_accepts(port) or not process.alive(), timeout=20)
+        wait_until(lambda: port_accepts(port) or not process.alive())
     except TimeoutError:
         process.stop()
         raise

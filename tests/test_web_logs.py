@@ -255,7 +255,7 @@ def test_no_live_token_reaches_the_web_process_output(server):
     secrets, statuses = _exercise(web, url)
     assert statuses == (WEB if web.name == "web" else DJANGO_ALONE)
     # Every answered request has its lines, masked (the process's own log, in order).
-    wait_until(lambda: "Not Found: /push/…" in _events_text(web), timeout=10)
+    wait_until(lambda: "Not Found: /push/…" in _events_text(web))
     web.stop()
     text = web.log_text()
     assert not _leaks(text, *secrets), text[-4000:]

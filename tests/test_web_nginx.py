@@ -90,7 +90,7 @@ http {{
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_until(lambda: nginx.poll() is not None or port_accepts(port), timeout=15)
+        wait_until(lambda: nginx.poll() is not None or port_accepts(port))
         assert nginx.poll() is None, (tmp_path / "error.log").read_text()
         tenant = Tenant.objects.create(name="proxied")
         component = Component.objects.create(
