@@ -103,7 +103,7 @@ def test_a_restarted_gateway_does_not_let_a_new_message_overtake_stored_ones(lab
     lab.start_gateway(**slow_retries)
     status, _ = lab.post(endpoint.url, b"new")
     assert status == 201
-    pushes = phone.wait_for_pushes(3, timeout=10)
+    pushes = phone.wait_for_pushes(3)
     assert [p.body for p in pushes] == [b"stored 0", b"stored 1", b"new"]
     wait_until(lambda: lab.delivered() == 3)
     assert not UnifiedPushMessage.objects.exists()
@@ -180,7 +180,7 @@ def test_a_gateway_gone_during_the_window_loses_nothing(lab, how):  # noqa: F811
         assert lab.gateway.stop() == 0  # stores what it holds, then answers the POST
     else:
         lab.gateway.kill()  # the web process finds the hop broken and stores it itself
-    post.join(timeout=15)
+    post.join(timeout=60)
     [(status, headers)] = answers
     assert status == 201
     stored = UnifiedPushMessage.objects.get()
@@ -200,7 +200,7 @@ class KeepAlive:
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         self.path = parts.path
-        self.http = http.client.HTTPConnection(parts.hostname, parts.port, timeout=20)
+        self.http = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
 
     def post(self, body: bytes, **headers: str) -> tuple[int, Message]:
         self.http.request("POST", self.path, body=body, headers=headers)
@@ -277,7 +277,7 @@ def test_a_post_waiting_in_the_event_loop_is_never_lost(lab, how):  # noqa: F811
         lab.gateway.kill()  # the web process finds the hop broken and stores it itself
     else:
         connection.http.sock.shutdown(socket.SHUT_RDWR)  # nobody will read the answer
-    waiting.join(timeout=15)
+    waiting.join(timeout=60)
     if how != "client hangs up":
         [(status, headers)] = answers
         assert status == 201

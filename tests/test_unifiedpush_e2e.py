@@ -73,7 +73,7 @@ class Lab:
         self.gateway = start_gateway(**{**GATEWAY_ENV, **env})
         wait_until(
             lambda: ComponentLink.objects.filter(component=self.component, state="up").exists(),
-            timeout=30,
+            what=lambda: f"the link is up\n{self.gateway.log_tail()}",
         )
 
     def phone(self, **kwargs) -> Phone:
@@ -88,7 +88,7 @@ class Lab:
         """(status, headers: looked up by name in any case, as HTTP's are)."""
         request = urllib.request.Request(url, data=body, method="POST", headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:
+            with urllib.request.urlopen(request, timeout=30) as response:
                 return response.status, response.headers
         except urllib.error.HTTPError as error:
             return error.code, error.headers
@@ -96,7 +96,7 @@ class Lab:
     def delete(self, url: str) -> int:
         try:
             with urllib.request.urlopen(
-                urllib.request.Request(url, method="DELETE"), timeout=10
+                urllib.request.Request(url, method="DELETE"), timeout=30
             ) as response:
                 return response.status
         except urllib.error.HTTPError as error:
@@ -360,7 +360,7 @@ def test_the_matrix_gateway_relays_and_rejects(lab):
         headers={"Content-Type": "application/json"},
         method="POST",
     )
-    with urllib.request.urlopen(request, timeout=10) as response:
+    with urllib.request.urlopen(request, timeout=30) as response:
         answer = json.loads(response.read())
     assert sorted(answer["rejected"]) == sorted(d["pushkey"] for d in devices[1:])
     pushes = phone.wait_for_pushes(2)
