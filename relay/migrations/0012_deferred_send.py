@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('relay', '0010_unifiedpush_moves_to_its_app'),
+        ('relay', '0011_registration_event_outlives_app'),
     ]
 
     operations = [
