@@ -598,6 +598,14 @@ class Environment(BaseSettings):
         group=Group.WORKERS,
     )
     deferred_sweep_batch: int = var("RELAY_DEFERRED_SWEEP_BATCH", 500, "", group=Group.WORKERS)
+    deferred_queue_limit: int = var(
+        "RELAY_DEFERRED_QUEUE_LIMIT",
+        20,
+        "A sweep publishes nothing while more messages than this wait in the broker's send "
+        "queue: fresh pushes go first, the deferred ones follow once the workers catch up "
+        "(0: no limit).",
+        group=Group.WORKERS,
+    )
     breaker_stalls: int = var(
         "RELAY_BREAKER_STALLS",
         3,

@@ -99,6 +99,11 @@ DEFERRED_PUBLISHED = Counter(
     "Deferred sends the sweep published to the broker once due (a sweep that crashed after "
     "publishing publishes its rows again: at least once).",
 )
+DEFERRED_SWEEPS_HELD = Counter(
+    "relay_deferred_sweeps_held",
+    "Sweeps of deferred sends that published nothing because fresh pushes filled the send "
+    "queue (RELAY_DEFERRED_QUEUE_LIMIT).",
+)
 DEFERRED_SWEEP_FAILURES = Counter(
     "relay_deferred_sweep_failures",
     "Sweeps of deferred sends that published nothing because the broker refused (rows kept).",

@@ -266,6 +266,24 @@ def test_a_sweep_is_bounded_and_shared_between_tenants(component, fcm_app):
     assert len({job["push_id"] for message in take_messages() for job in message.jobs}) == 45
 
 
+def test_a_sweep_waits_while_fresh_pushes_fill_the_queue(component, fcm_app):
+    """The queue is first in, first out: the backlog is not queued ahead of fresh pushes."""
+    registration = make_registration(component.app, 9)
+    job = defer(registration)
+    before = counter("relay_deferred_sweeps_held_total")
+    with relay_settings(DEFERRED_QUEUE_LIMIT=2):
+        for _ in range(3):
+            queue.enqueue_send(job_for(registration))  # fresh pushes waiting for a worker
+        assert deferred.sweep().published == 0
+        assert counter("relay_deferred_sweeps_held_total") == before + 1
+        assert len(deferred_jobs()) == 1
+        fresh = take_messages()  # the workers catch up
+        assert len(fresh) == 3 and job.push_id not in str(fresh)
+        assert deferred.sweep().published == 1
+    [message] = take_messages()
+    assert [item["push_id"] for item in message.jobs] == [job.push_id]
+
+
 def test_a_send_deferred_again_moves_its_row(component, fcm_app):
     """A redelivered batch defers the same push id again: one row, the new due time."""
     registration = make_registration(component.app, 6)

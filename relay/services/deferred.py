@@ -17,9 +17,11 @@ On PostgreSQL the rows are taken FOR UPDATE SKIP LOCKED, so sweeps running side 
 (a slow one and the next) take different rows; SQLite serialises writers anyway.
 
 Fairness: fresh pushes never pass through the table. A sweep publishes at most
-RELAY_DEFERRED_SWEEP_BATCH rows, shared out evenly between the tenants that have due rows, so
-20,000 deferred pushes of one tenant go out at a bounded rate behind which other tenants'
-fresh pushes never queue for long, and one tenant's backlog cannot starve another's retries.
+RELAY_DEFERRED_SWEEP_BATCH rows, shared out evenly between the tenants that have due rows, and
+none while more than RELAY_DEFERRED_QUEUE_LIMIT messages wait in the send queue: 20,000
+deferred pushes of one tenant go out at a bounded rate, only as fast as the workers take
+them, so other tenants' fresh pushes never queue behind them (the queue is first in, first
+out), and one tenant's backlog cannot starve another's retries.
 """
 
 from __future__ import annotations
@@ -130,9 +132,12 @@ def _take(limit: int, now: datetime) -> list[DeferredSend]:
 def sweep(*, limit: int | None = None, now: datetime | None = None) -> Sweep:
     """Publish the due deferred sends (at most `limit`, default RELAY_DEFERRED_SWEEP_BATCH)
     and delete them, in one transaction; raises queue.QueueUnavailable (every row stays) when
-    the broker does not take them."""
+    the broker does not take them. Publishes nothing while the send queue is longer than
+    RELAY_DEFERRED_QUEUE_LIMIT messages."""
     limit = conf.current().deferred_sweep_batch if limit is None else limit
     now = now or timezone.now()
+    if _queue_busy():
+        return Sweep(0, 0, 0)
     with transaction.atomic():
         rows = _take(limit, now)
         if not rows:
@@ -153,6 +158,27 @@ def sweep(*, limit: int | None = None, now: datetime | None = None) -> Sweep:
         extra={"published": swept.published, "tenants": swept.tenants, "messages": messages},
     )
     return swept
+
+
+def _queue_busy() -> bool:
+    """Whether fresh pushes wait in the broker: then the backlog must not queue ahead of
+    them (the queue is first in, first out). Unknown (the broker did not answer) is not busy:
+    the publish then says whether the broker takes anything."""
+    ceiling = conf.current().deferred_queue_limit
+    if ceiling <= 0:
+        return False
+    from relay.services import observability  # it reads this module's backlog for /metrics
+
+    try:
+        depth = observability.queue_depth()
+    except Exception as error:  # kombu, redis, amqp and socket errors
+        log.info("deferred.queue_depth_unknown", extra={"error_type": type(error).__name__})
+        return False
+    if depth > ceiling:
+        metrics.DEFERRED_SWEEPS_HELD.inc()
+        log.info("deferred.sweep_held", extra={"queue_depth": depth})
+        return True
+    return False
 
 
 def sweep_due() -> int:
