@@ -56,6 +56,14 @@ print(json.dumps(pruned))
 """
 
 
+_TENANT = """
+import json, sys, django
+django.setup()
+from relay.models import Tenant
+print(json.dumps(Tenant.objects.create(name=sys.argv[1]).pk))
+"""
+
+
 def at(day: date, seconds: float = 3600.0) -> datetime:
     return datetime.combine(day, clock(), tzinfo=UTC) + timedelta(seconds=seconds)
 
@@ -94,6 +102,10 @@ class ReportDatabase:
             check=True,
         ).stdout
         return json.loads(out.strip().splitlines()[-1])
+
+    def tenant(self, name: str) -> int:
+        """One more tenant, made by the relay's model (no app, no activity)."""
+        return int(self._relay(_TENANT, name))
 
     def prune(self, days: int, now: datetime) -> dict[str, int]:
         """The relay's retention (relay.services.retention.prune) as if it were `now`."""
