@@ -74,7 +74,7 @@ _SERVER = ("Server", "push-relay")
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one connection may take of a worker (README, configuration: WEB_*)."""
+    """What one connection may take of a worker (docs/configuration.md: WEB_*)."""
 
     max_head_bytes: int
     max_headers: int

@@ -65,7 +65,7 @@ CREDENTIAL_KEYS = _credential_keys()
 
 def _unifiedpush_keys() -> list[str]:
     """32-byte keys (base64url) for UnifiedPush endpoint tokens and stored messages; the first
-    encrypts, all decrypt (rotation: README, "UnifiedPush keys")."""
+    encrypts, all decrypt (rotation: docs/unifiedpush.md, "Keys and their rotation")."""
     if ENV.unifiedpush_keys:
         return list(ENV.unifiedpush_keys)
     if PRODUCTION:
@@ -253,7 +253,8 @@ CELERY_BROKER_URL = (
 )
 CELERY_TASK_IGNORE_RESULT = True
 # Celery closes every Django connection after each task unless told to reuse them: a new
-# database connection per send cost a fifth of the worker's time. CONN_MAX_AGE still applies.
+# database connection per send would be a large part of the worker's time. CONN_MAX_AGE
+# still applies.
 CELERY_DB_REUSE_MAX = ENV.celery_db_reuse_max
 CELERY_RESULT_BACKEND = None
 # Workers log through LOGGING (JSON lines) like every other process, not Celery's own format.

@@ -1,4 +1,4 @@
-"""Every Prometheus metric of the relay, in one place (README, "Watching it").
+"""Every Prometheus metric of the relay, in one place (docs/production.md, "Watching it").
 
 The services count what they do through the helpers below; the web process serves them at
 /metrics, the gateway and the worker on their probe listener (relay/probes.py). Django-free

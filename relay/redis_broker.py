@@ -126,9 +126,9 @@ class Channel(kombu_redis.Channel):
         self._connparams(asynchronous=True)
 
     def _create_client(self, asynchronous: bool = False) -> Any:
-        """One client per connection pool, not one per call: kombu built a new client (and
-        its response-callback table) for every ack and every bookkeeping pipeline, ~5% of a
-        worker's CPU at one push per message. A client over a pool is thread-safe, and each
+        """One client per connection pool, not one per call: kombu builds a new client (and
+        its response-callback table) for every ack and every bookkeeping pipeline, a cost paid
+        per message. A client over a pool is thread-safe, and each
         pipeline taken from it is its own; a new pool (after close) gets a new client."""
         if asynchronous:
             return super()._create_client(asynchronous=True)
@@ -387,7 +387,7 @@ class TaskPublisher:
     `send_task` and this transport's `_put` write (tests/test_redis_publisher.py compares them).
 
     Why: `send_task` builds a signature, acquires a producer, declares, and kombu builds a Redis
-    client per message; that was a third of the gateway's CPU per publish. This is one LPUSH
+    client per message, a large part of the gateway's CPU per publish. This is one LPUSH
     on a pooled client. It keeps Celery's publish retry policy (a few quick attempts, then the
     error, so the gateway answers `wait` instead of stalling) and the default queue only: a
     routed or prioritised send still goes through `send_task`.

@@ -31,6 +31,7 @@ from tests.support.provider_fakes import (
     configure_wns,
     start_apns,
 )
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -636,25 +637,34 @@ def test_sends_beyond_an_apps_slots_wait_then_retry_later(fresh_limits):
     assert limits.in_flight(APP_1) == 0
 
 
-def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits):
+def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits, monkeypatch):
     """A stuck app holds at most MAX_THREADS_PER_APP threads: its next send is deferred after
     a moment (the thread goes back to the pool), and once the stuck send is SLOW_SECONDS old
     it is told to come back when that send has timed out; another app's send goes at once."""
+    # Longer than the product's half second: the first deferral must come while the stuck send
+    # is younger than this, which a loaded machine needs room for.
+    monkeypatch.setattr(limits, "SLOW_SECONDS", 2.0)
     limits.set_worker_threads(4)
     assert limits.max_threads_per_app() == 3  # a quarter stays free for the other apps
     stuck = BlockingProvider()
     results: list[SendResult] = []
     with relay_settings(MAX_THREADS_PER_APP=1, PROVIDER_TIMEOUT_SECONDS=5.0):
         try:
+            before_hold = time.monotonic()
             holder = hold(stuck, APP_1, results)
+            held_since = time.monotonic()  # the stuck send began between these two
             healthy = BlockingProvider()
             healthy.release.set()
             assert limits.send_group(healthy, [WAKEUP], APP_2) == [SendResult.delivered()]
             started = time.monotonic()
             busy = limits.send_group(stuck, [WAKEUP, WAKEUP], APP_1)
             waited = time.monotonic() - started
-            time.sleep(limits.SLOW_SECONDS)
+            wait_until(
+                lambda: time.monotonic() - held_since >= limits.SLOW_SECONDS,
+                what="the stuck send is SLOW_SECONDS old",
+            )
             slow = limits.send_group(stuck, [WAKEUP], APP_1)
+            stuck_for = time.monotonic() - before_hold  # at least the stuck send's age
         finally:
             stuck.release.set()
         holder.join(10)
@@ -666,7 +676,7 @@ def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits):
         limits.APP_IN_FLIGHT_CAP,
     )
     # Until the stuck send has timed out (5 s after it started), spread over one more.
-    assert 4.0 <= deferred.retry_after <= 10.0
+    assert max(limits.SLOW_SECONDS, 5.0 - stuck_for) <= deferred.retry_after <= 10.0
     assert stuck.sends == 1
 
 
@@ -688,9 +698,17 @@ def test_a_stalled_provider_opens_its_breaker_and_a_probe_closes_it(fresh_limits
     stalled = SendResult(Outcome.RETRY_LATER, "TIMEOUT")
     provider = BlockingProvider(stalled)
     provider.release.set()
-    with relay_settings(BREAKER_STALLS=3, BREAKER_SECONDS=0.3):
-        for _ in range(3):
+
+    def half_open() -> bool:
+        return not limits.breaker_open(APP_1)
+
+    # Two seconds open: what is checked while it is open takes milliseconds, with room for a
+    # loaded machine; then the test waits for it to half-open rather than sleeping past it.
+    with relay_settings(BREAKER_STALLS=3, BREAKER_SECONDS=2.0):
+        for _ in range(2):
             assert limits.send_group(provider, [WAKEUP], APP_1) == [stalled]
+        before_opening = time.monotonic()
+        assert limits.send_group(provider, [WAKEUP], APP_1) == [stalled]
         assert limits.breaker_open(APP_1) and not limits.breaker_open(APP_2)
         # Open: deferred without touching the provider, with the time left as Retry-After.
         [deferred] = limits.send_group(provider, [WAKEUP], APP_1)
@@ -698,14 +716,15 @@ def test_a_stalled_provider_opens_its_breaker_and_a_probe_closes_it(fresh_limits
             Outcome.RETRY_LATER,
             limits.PROVIDER_STALLED,
         )
-        assert 0 < deferred.retry_after <= 0.6  # the time left, spread over a cool-down
+        assert 0 < deferred.retry_after <= 4.0  # the time left, spread over a cool-down
         assert provider.sends == 3
-        time.sleep(0.35)
+        wait_until(half_open, timeout=30, what="the breaker half-opens")
+        assert time.monotonic() - before_opening >= 1.99  # not before its time
         # Half open: one probe of a batch goes out; it stalls again, so the breaker reopens.
         results = limits.send_group(provider, [WAKEUP, WAKEUP], APP_1)
         assert [r.error_code for r in results] == ["TIMEOUT", limits.PROVIDER_STALLED]
         assert provider.sends == 4 and limits.breaker_open(APP_1)
-        time.sleep(0.35)
+        wait_until(half_open, timeout=30, what="the breaker half-opens again")
         # Any answer, even a refusal, means the provider is not stuck: closed again.
         provider.answer = SendResult(Outcome.DEAD_TOKEN, "UNREGISTERED")
         assert limits.send_group(provider, [WAKEUP], APP_1)[0].outcome == Outcome.DEAD_TOKEN

@@ -47,10 +47,10 @@ from tests.support.processes import (
     ServiceProcess,
     service_env,
     start_gateway,
-    wait_until,
     worker_argv,
 )
 from tests.support.services import PrivatePostgres, PrivateRedis
+from tests.support.waiting import wait_until
 
 SECRET = "fault-secret"
 TEMPLATE_DB = "relay_template"
@@ -277,7 +277,7 @@ class Lab:
         for _ in range(workers):
             self.start_worker()
         for tenant in self.tenants.values():
-            tenant.server.wait_connected(timeout=30)
+            tenant.server.wait_connected(gateway=self.gateway)
 
     def start_worker(self) -> ServiceProcess:
         worker = ServiceProcess(
@@ -629,9 +629,9 @@ def test_the_send_handed_to_a_worker_as_it_is_killed_is_not_lost(lab: Lab) -> No
     [worker] = lab.workers
     worker.process.send_signal(signal.SIGSTOP)
     tenant.publish_stream(1, None, start=1)
-    wait_until(lambda: len(tenant.answers()) == 2, timeout=15)
+    wait_until(lambda: len(tenant.answers()) == 2)
     # Popped for the frozen worker: in no queue any more.
-    wait_until(lambda: redis_cli(lab.redis, "LLEN", "celery") == "0", timeout=15)
+    wait_until(lambda: redis_cli(lab.redis, "LLEN", "celery") == "0")
     time.sleep(0.5)
     worker.process.send_signal(signal.SIGKILL)
     worker.process.wait()

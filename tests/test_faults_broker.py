@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ from kombu import Connection, Consumer, Exchange, Queue
 
 from relay import redis_broker
 from tests.support.services import PrivateRedis
+from tests.support.waiting import wait_until
 
 QUEUE = "faults"
 STOCK = "kombu.transport.redis:Transport"
@@ -142,7 +142,14 @@ def test_closing_after_the_broker_went_away_does_not_crash(server, transport):
     server.start()
     # It could not be given back while the broker was away; once the lease has expired, any
     # consumer gives it back.
-    time.sleep(1.2)
+    client = keys(server)
+    owners = [owner.decode() for owner in client.smembers(redis_broker.OWNERS_KEY)]
+    assert len(owners) == 2  # the task channel's and the control channel's
+
+    def leases_expired() -> bool:
+        return not any(client.exists(redis_broker.lease_key(owner)) for owner in owners)
+
+    wait_until(leases_expired, what="the closed connection's leases expire")
     with connect(server) as again:
         channel = again.default_channel
         channel._take_lease()

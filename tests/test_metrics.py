@@ -30,9 +30,9 @@ from tests.support.processes import (
     start_gateway,
     start_web,
     start_worker,
-    wait_until,
 )
 from tests.support.services import PrivatePostgres, PrivateRedis
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -22,7 +22,7 @@ from relay.services.registrations import register_device
 from relay.services.throttling import Decision, Fold, Limit
 from relay.services.throttling.redis_store import RedisStore
 from tests.support.broker import queued_jobs_with_eta
-from tests.support.processes import wait_until
+from tests.support.waiting import wait_until
 
 LONG_WINDOW = 30.0  # long enough that no test depends on timing
 UNLIMITED = Limit(rate=0, burst=1)
@@ -134,7 +134,7 @@ def test_take_tokens_refills_at_the_rate(store):
     [bucket] = buckets(Limit(rate=20, burst=1))
     assert store.take_tokens([bucket]) is None
     assert store.take_tokens([bucket]) is not None
-    wait_until(lambda: store.take_tokens([bucket]) is None, timeout=5, interval=0.01)
+    wait_until(lambda: store.take_tokens([bucket]) is None, interval=0.01)
 
 
 def test_take_tokens_is_exact_under_concurrency(store):
@@ -497,7 +497,7 @@ def test_gateway_answers_wait_to_publishes_over_the_rate_and_result_to_folded_on
     broker.purge()
     gateway = start_gateway(RELAY_COALESCE_SECONDS="30")
     try:
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         replies = [
             server.request(publish_xml(f"p{i}", answer.node, answer.secret), f"p{i}")
             for i in range(4)

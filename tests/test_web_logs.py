@@ -24,7 +24,8 @@ import relay.logging as relay_logging
 from relay.models import Component, Tenant
 from relay.unifiedpush.services import messages
 from tests.support.endpoints import new_endpoint
-from tests.support.processes import ServiceProcess, start_dev_server, start_web, wait_until
+from tests.support.processes import ServiceProcess, start_dev_server, start_web
+from tests.support.waiting import wait_until
 
 TOKEN = "v4.local.4ojRFvuaHlxoJOk-W3ndu-zjmvz4zANiImFOTlaxBoZIJY2K.dmxVbjBkOGg"
 REFERENCE = "AAAAAAAAAAE.0123456789abcdef01234567"
@@ -254,7 +255,7 @@ def test_no_live_token_reaches_the_web_process_output(server):
     secrets, statuses = _exercise(web, url)
     assert statuses == (WEB if web.name == "web" else DJANGO_ALONE)
     # Every answered request has its lines, masked (the process's own log, in order).
-    wait_until(lambda: "Not Found: /push/…" in _events_text(web), timeout=10)
+    wait_until(lambda: "Not Found: /push/…" in _events_text(web))
     web.stop()
     text = web.log_text()
     assert not _leaks(text, *secrets), text[-4000:]

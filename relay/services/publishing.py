@@ -113,8 +113,8 @@ def _in_model_order(model: type[Any], wanted: frozenset[str]) -> tuple[str, ...]
 
 @functools.cache
 def _lookup() -> _Lookup:
-    """The lookup's SELECT, written once: compiling the ORM query was about a millisecond
-    per batch, as much as the rest of a batch of one."""
+    """The lookup's SELECT, written once: compiling the ORM query per batch would cost as
+    much as the rest of a batch of one."""
     registration_columns = _in_model_order(Registration, _REGISTRATION_COLUMNS)
     tenant_columns = _in_model_order(Tenant, _TENANT_COLUMNS)
     columns = [f"r.{c}" for c in registration_columns] + [f"t.{c}" for c in tenant_columns]

@@ -56,15 +56,16 @@ class SendJob:
 
 _FIELD_NAMES = tuple(field.name for field in dataclasses.fields(SendJob))
 # Celery writes a repr of the arguments into every message's headers for its logs and
-# monitors: formatting it (celery.utils.saferepr) was a tenth of the gateway's CPU. The jobs
+# monitors: formatting it (celery.utils.saferepr) is a cost per publish for nothing. The jobs
 # carry nothing a log needs; the worker logs push ids itself.
 _NO_REPRS: dict[str, Any] = {"argsrepr": "", "kwargsrepr": ""}
 
 
 @functools.cache
 def _direct_publisher(broker_url: str) -> redis_broker.TaskPublisher | None:
-    """On Redis, the gateway writes its messages itself (relay/redis_broker.py: a third of its
-    CPU per publish went to `send_task`); other brokers (the embedded one) go through Celery."""
+    """On Redis, the gateway writes its messages itself (relay/redis_broker.py says why:
+    `send_task` would be a large part of its CPU per publish); other brokers (the embedded one)
+    go through Celery."""
     conf = current_app.conf
     if not broker_url.startswith(("redis://", "rediss://")) or conf.task_routes:
         return None
@@ -99,7 +100,7 @@ def enqueue_send(job: SendJob, *, countdown: float | None = None) -> SendJob:
 
 def enqueue_sends(jobs: list[SendJob]) -> list[SendJob]:
     """Publish jobs that go out now as ONE broker message (relay.send_pushes); returns only
-    once the broker has it. A single job travels as relay.send_push, as before."""
+    once the broker has it. A single job travels as relay.send_push."""
     if not jobs:
         return []
     if len(jobs) == 1:
