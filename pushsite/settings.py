@@ -426,12 +426,12 @@ LOGGING = {
         "django.request": {"filters": ["mask_secrets"]},
         "django.server": {"filters": ["mask_secrets"], "level": "INFO", "propagate": True},
         # The web process's access log (pushsite/server.py: one line per answer, every route)
-        # and Tornado's own lines ("Malformed HTTP message from …"); WSGIContainer's request
-        # lines would repeat the access log.
+        # and aiohttp's own lines ("Error handling request …", a parser's refusal quoting the
+        # request line); its access lines would repeat ours (the server turns them off too).
         "pushsite.access": {"filters": ["mask_secrets"]},
-        "tornado.general": {"filters": ["mask_secrets"]},
-        "tornado.application": {"filters": ["mask_secrets"]},
-        "tornado.access": {"level": "CRITICAL"},
+        "aiohttp.server": {"filters": ["mask_secrets"]},
+        "aiohttp.web": {"filters": ["mask_secrets"]},
+        "aiohttp.access": {"level": "CRITICAL"},
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
         "celery": {"level": LOG_LEVEL},

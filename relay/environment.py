@@ -224,9 +224,9 @@ class Environment(BaseSettings):
     web_max_head_bytes: int = var(
         "WEB_MAX_HEAD_BYTES",
         16384,
-        "What one request to the web process may be (docs/web.md): its head's bytes (beyond: "
-        "the connection is closed), its header fields (431), its request line (414), its body "
-        "(a longer Content-Length: 400, the connection closed).",
+        "What one request to the web process may be (docs/web.md): its head's bytes (431), "
+        "its header fields (431), its request line (414), each answered, then the connection "
+        "closed; its body (a longer one: 400 with Connection: close).",
         group=Group.PROCESSES,
     )
     web_max_headers: int = var("WEB_MAX_HEADERS", 100, "", group=Group.PROCESSES)
