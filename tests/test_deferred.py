@@ -258,6 +258,8 @@ def broker_at(url: str) -> Iterator[None]:
         celery_app.amqp._producer_pool = None
 
     with pytest.MonkeyPatch.context() as patch:
+        # Celery reads CELERY_BROKER_URL from the environment before its configuration.
+        patch.setenv("CELERY_BROKER_URL", url)
         patch.setitem(celery_app.conf, "broker_url", url)
         reconnect()
         try:
