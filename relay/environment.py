@@ -589,6 +589,23 @@ class Environment(BaseSettings):
         "so one tenant's stuck provider cannot take the pool; beyond it a send is deferred.",
         group=Group.WORKERS,
     )
+    deferred_sweep_seconds: float = var(
+        "RELAY_DEFERRED_SWEEP_SECONDS",
+        1.0,
+        "Deferred sends (retries, rate limits, coalescing windows) wait in the database; beat "
+        "publishes at most RELAY_DEFERRED_SWEEP_BATCH due ones every this many seconds, shared "
+        "between tenants, so a provider's backlog never floods the queue of fresh pushes.",
+        group=Group.WORKERS,
+    )
+    deferred_sweep_batch: int = var("RELAY_DEFERRED_SWEEP_BATCH", 200, "", group=Group.WORKERS)
+    deferred_queue_limit: int = var(
+        "RELAY_DEFERRED_QUEUE_LIMIT",
+        20,
+        "A sweep publishes nothing while more messages than this wait in the broker's send "
+        "queue: fresh pushes go first, the deferred ones follow once the workers catch up "
+        "(0: no limit).",
+        group=Group.WORKERS,
+    )
     breaker_stalls: int = var(
         "RELAY_BREAKER_STALLS",
         3,

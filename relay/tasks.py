@@ -18,6 +18,10 @@ A message is never acknowledged while what it carries exists nowhere else:
   is away for that too, it stays unacknowledged in the broker, where the dead lease is found.
 
 Celery's own retry turns a failed publish into a reject WITHOUT requeue; `_defer` catches that.
+
+Only these database retries wait in the broker (a countdown): the database is what is missing.
+A send deferred for its provider (outage, Retry-After, quota, busy app) or a coalescing window
+waits in the database instead and is queued by beat's sweep (relay/services/deferred.py).
 """
 
 from __future__ import annotations
@@ -137,6 +141,14 @@ def _close_providers(**_: object) -> None:
 # prefork children get the first; the threads and solo pools only the second.
 worker_process_shutdown.connect(_close_providers, weak=False)
 worker_shutdown.connect(_close_providers, weak=False)
+
+
+@shared_task(name="relay.sweep_deferred_sends", ignore_result=True)
+def sweep_deferred_sends() -> int:
+    """Beat task (every RELAY_DEFERRED_SWEEP_SECONDS): queue the deferred sends that are due."""
+    from relay.services import deferred
+
+    return deferred.sweep_due()
 
 
 @shared_task(name="relay.remove_unused_registrations", ignore_result=True)

@@ -28,12 +28,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -45,6 +47,7 @@ from tests.support.component_server import FakeXmppServer
 from tests.support.processes import (
     ROOT,
     ServiceProcess,
+    beat_argv,
     service_env,
     start_gateway,
     worker_argv,
@@ -251,6 +254,7 @@ class Lab:
         self.database_url = postgres.url(self.database)
         self.tenants: dict[str, Tenant] = {}
         self.gateway: ServiceProcess | None = None
+        self.beat: ServiceProcess | None = None
         self.workers: list[ServiceProcess] = []
         self.env: dict[str, str] = {}
         redis_cli(redis, "FLUSHALL")
@@ -276,6 +280,9 @@ class Lab:
         self.gateway = start_gateway(**self.env)
         for _ in range(workers):
             self.start_worker()
+        # Beat's sweep queues the deferred sends (retries) once due, as in production.
+        schedule = str(Path(tempfile.mkdtemp(prefix="relay-beat-")) / "schedule")
+        self.beat = ServiceProcess("beat", beat_argv(schedule), service_env(**self.env))
         for tenant in self.tenants.values():
             tenant.server.wait_connected(gateway=self.gateway)
 
@@ -291,7 +298,7 @@ class Lab:
     def close(self) -> str:
         """Stop everything; returns the processes' logs (the tail) for failure messages."""
         logs = []
-        for process in [self.gateway, *self.workers]:
+        for process in [self.gateway, self.beat, *self.workers]:
             if process is not None:
                 process.stop()
                 logs.append(f"--- {process.name}\n{process.log_text()[-4000:]}")

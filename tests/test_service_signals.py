@@ -24,6 +24,13 @@ STARTED = {
 }
 
 
+def loading(process: ServiceProcess) -> bool:
+    """Whether it handles SIGTERM yet; one that died while starting fails the test at once."""
+    if not process.alive():
+        raise AssertionError(f"it died while starting\n{process.log_tail()}")
+    return process.handles(signal.SIGTERM)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("command", sorted(STARTED))
 def test_a_service_stopped_while_it_loads_exits_cleanly(command, signum):
@@ -34,7 +41,7 @@ def test_a_service_stopped_while_it_loads_exits_cleanly(command, signum):
     try:
         # manage.py handles both long before Django is loaded: stop it right then. (SIGINT is
         # caught from the interpreter's start, by the KeyboardInterrupt it would raise.)
-        wait_until(lambda: process.handles(signal.SIGTERM), what=lambda: process.log_tail())
+        wait_until(lambda: loading(process), what=process.log_tail)
         process.process.send_signal(signum)
         code = process.process.wait(60)
     finally:

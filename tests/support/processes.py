@@ -159,6 +159,15 @@ def worker_argv(
     ]  # fmt: skip
 
 
+def beat_argv(schedule: str, *, loglevel: str = "INFO") -> list[str]:
+    """The command line of beat (the Procfile's), its schedule in the file `schedule`: its
+    sweep queues the deferred sends (retries) once due."""
+    return [
+        sys.executable, "-m", "celery", "-A", "pushsite", "beat",
+        "--loglevel", loglevel, "--schedule", schedule,
+    ]  # fmt: skip
+
+
 def probe_url(process: ServiceProcess, timeout: float = 60.0) -> str:
     """The base URL of a gateway's or worker's probe listener (port 0: read from its log)."""
     import json
