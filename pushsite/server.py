@@ -185,8 +185,8 @@ class Connection(web.RequestHandler):
         if request.writer.output_size > 0:  # (as aiohttp's own): too late for an answer
             raise ConnectionError("the answer had begun")
         if isinstance(exc, LineTooLong) or (
-            # aiohttp raises the plain class for this one; tests/test_web_server.py's
-            # header limits fail if it changes.
+            # aiohttp raises the plain class for this one, with this message: a test in
+            # tests/test_web_server.py (the heads aiohttp's parser refuses) fails if it changes.
             type(exc) is BadHttpMessage and "Too many headers" in str(exc)
         ):
             status, text = 431, b"request head too large\n"
