@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # nothing needs to run beforehand and two runs on one machine never share a database.
 export TEST_DATABASE_URL TEST_BROKER_URL TEST_CACHE_URL
 WITH_SERVICES := $(BIN)/python -m tests.support.services --
-SYSTEM_PACKAGES := python3-venv postgresql redis-server prosody prosody-modules lua-unbound ejabberd nginx \
+SYSTEM_PACKAGES := python3-venv postgresql redis-server rabbitmq-server prosody prosody-modules lua-unbound ejabberd nginx \
 	chromium chromium-driver libpostgresql-jdbc-java systemd openjdk-17-jre-headless
 
 .PHONY: run test test-postgres test-defaults test-durations lint bench system-deps venv migrate clean
