@@ -132,6 +132,8 @@ class JobConfig:
     min_sends_for_failure_rank: int = 10
     thresholds: Thresholds = Thresholds()
     force: bool = False  # recompute every day of the range, changed or not
+    # The day the run writes its files (a month's export written up to its last day is partial).
+    today: date = field(default_factory=lambda: datetime.now(UTC).date())
 
     @property
     def days(self) -> list[date]:
@@ -212,4 +214,5 @@ def from_args(argv: list[str] | None = None, env: dict[str, str] | None = None) 
             min_volume=int(_env_float(env, "ANALYTICS_MIN_VOLUME", 50)),
         ),
         force=args.force,
+        today=today,
     )

@@ -55,6 +55,34 @@ CONNECT_CHECK_TIMEOUT = 5
 
 Progress = Callable[[str], None]
 
+# Spark's and Hadoop's logging in the driver's JVM: errors only, on stderr.
+LOG4J2_PROPERTIES = Path(__file__).resolve().parent / "log4j2.properties"
+
+
+class Steps:
+    """The progress lines: each says what was done and how long it took, after the time
+    since the run started."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self.started = self._last = time.monotonic()
+
+    def _line(self, message: str) -> None:
+        self._progress(f"[reports {time.monotonic() - self.started:6.1f}s] {message}")
+
+    def say(self, message: str) -> None:
+        """What comes next; the following `done` times it."""
+        self._line(message)
+        self._last = time.monotonic()
+
+    def done(self, message: str) -> None:
+        self._line(f"{message} in {time.monotonic() - self._last:.1f}s")
+        self._last = time.monotonic()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
 
 @dataclass(slots=True)
 class RunSummary:
@@ -78,6 +106,12 @@ def session(config: JobConfig) -> SparkSession:
     spark = (
         builder.config("spark.jars", config.jdbc_jar)
         .config("spark.driver.memory", config.driver_memory)
+        # Read when the driver's JVM starts (not under spark-submit, which started it).
+        .config(
+            "spark.driver.extraJavaOptions",
+            f"-Dlog4j2.configurationFile=file:{LOG4J2_PROPERTIES}",
+        )
+        .config("spark.ui.enabled", "false")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.shuffle.partitions", os.environ.get("ANALYTICS_SHUFFLE_PARTITIONS", "4"))
         .config("spark.ui.showConsoleProgress", "false")
@@ -127,11 +161,8 @@ def _rows(frame: DataFrame) -> list[dict[str, Any]]:
 
 
 def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> RunSummary:
-    started = time.monotonic()
-
-    def say(message: str) -> None:
-        progress(f"[reports {time.monotonic() - started:6.1f}s] {message}")
-
+    steps = Steps(progress)
+    say = steps.say
     days = config.days
     say(f"days {config.since}..{config.until} from {config.source.describe()}")
     tenants, apps = sources.names(spark, config.source)
@@ -146,8 +177,8 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
     changed = [day for day in open_days if config.force or stored.get(day) != current[day]]
     summary = RunSummary(days=days, changed=changed, kept=kept)
     unchanged = len(open_days) - len(changed)
-    say(
-        f"{len(days)} day(s), {len(changed)} to compute"
+    steps.done(
+        f"fingerprints compared: {len(days)} day(s), {len(changed)} to compute"
         + (f": {', '.join(str(d) for d in changed)}" if 0 < len(changed) <= 10 else "")
         + (f"; {unchanged} unchanged, not read again" if unchanged else "")
     )
@@ -159,18 +190,20 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
             + (f" ({len(unreported)} never reported: left without a report)" if unreported else "")
         )
     if not changed:
-        summary.seconds = time.monotonic() - started
-        say("nothing changed")
+        # The files still say what the runs cover now (a month ended since: complete).
+        summary.files = _write_files(spark, config, tenants, set(stored))
+        steps.done(f"HTML report and monthly exports: {len(summary.files)} file(s)")
+        summary.seconds = steps.elapsed
+        say(f"done: nothing changed, in {summary.seconds:.1f}s")
         return summary
 
     tenant_names, app_names = _names_frames(spark, tenants, apps)
-    _compute_days(spark, config, changed, stats, summary, say, tenant_names, app_names)
-    say("anomalies against the previous 7 days")
+    _compute_days(spark, config, changed, stats, summary, steps, tenant_names, app_names)
     anomaly_rows = _anomalies(spark, config, open_days, set(stored) | set(changed), tenants, apps)
+    steps.done(f"anomalies against the previous 7 days: {len(anomaly_rows)} found")
 
     outputs = _collect_outputs(spark, config, changed)
     if config.primary is not None:
-        say(f"loading the daily aggregates into {config.primary.describe()}")
         summary.loaded = writer.load(
             config.primary,
             [
@@ -181,12 +214,19 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
                 ("relay_reportanomaly", open_days, anomaly_rows),
             ],
         )
-    say("HTML report and monthly exports")
-    summary.files = _write_files(spark, config)
+        steps.done(
+            f"loading the daily aggregates into {config.primary.describe()}: "
+            f"{sum(summary.loaded.values())} row(s)"
+        )
+    summary.files = _write_files(spark, config, tenants, set(stored) | set(changed))
     store.write_fingerprints(spark, config.output, {**stored, **{d: current[d] for d in changed}})
-    summary.seconds = time.monotonic() - started
+    steps.done(f"HTML report and monthly exports: {len(summary.files)} file(s)")
+    summary.seconds = steps.elapsed
     rate = summary.rows_read / summary.seconds if summary.seconds else 0.0
-    say(f"done: {len(changed)} day(s), {summary.rows_read} row(s) ({rate:,.0f} rows/s)")
+    say(
+        f"done: {len(changed)} day(s), {summary.rows_read} row(s) in {summary.seconds:.1f}s "
+        f"({rate:,.0f} rows/s)"
+    )
     return summary
 
 
@@ -196,7 +236,7 @@ def _compute_days(
     changed: list[date],
     stats: dict[date, dict[str, sources.DayStats]],
     summary: RunSummary,
-    say: Progress,
+    steps: Steps,
     tenant_names: DataFrame,
     app_names: DataFrame,
 ) -> None:
@@ -211,18 +251,18 @@ def _compute_days(
         spark, config.source, changed, stats, rows_per_partition=config.rows_per_partition
     )
     summary.partitions = partitions
-    say(f"reading {expected} row(s) in {partitions} JDBC partition(s), summing them")
+    steps.say(f"reading {expected} row(s) in {partitions} JDBC partition(s)")
     # One pass over the rows sums them by the finest key every report needs (small); the
     # percentiles need each latency, so delivered pushes' latencies are a second, narrow read.
     sums = reports.summed(facts).persist(StorageLevel.MEMORY_AND_DISK)
     summary.rows_read = int(cast(Row, sums.agg(F.sum("rows")).first())[0] or 0)
-    say(f"read {summary.rows_read} row(s); usage and latency percentiles")
+    steps.done(f"read and summed {summary.rows_read} row(s)")
     latencies = sources.read_latencies(
         spark, config.source, changed, stats, rows_per_partition=config.rows_per_partition
     )
     usage = _named(reports.usage(sums, latencies), tenant_names, app_names)
     store.replace_days(spark, config.output, "usage", usage, changed)
-    say("publishing domains and error codes")
+    steps.done("usage and latency percentiles")
     store.replace_days(
         spark,
         config.output,
@@ -238,8 +278,8 @@ def _compute_days(
         changed,
     )
     sums.unpersist()
+    steps.done("publishing domains and error codes")
 
-    say("registrations")
     registration_rows = reports.registrations(
         _rows(sources.jdbc_query(spark, config.source, sources.registration_sql(min(changed)))),
         changed,
@@ -252,6 +292,7 @@ def _compute_days(
         _named(registrations, tenant_names, app_names),
         changed,
     )
+    steps.done("registrations")
 
 
 def _anomalies(
@@ -339,8 +380,11 @@ ERROR_SCHEMA = (
 )
 
 
-def _write_files(spark: SparkSession, config: JobConfig) -> list[str]:
-    """The HTML report of the range and the CSV exports of every month it touches."""
+def _write_files(
+    spark: SparkSession, config: JobConfig, tenants: dict[int, str], reported: set[date]
+) -> list[str]:
+    """The HTML report of the range and the CSV exports of every month it touches: one per
+    tenant (zeros for one without activity), saying which days the runs covered (`reported`)."""
     config.export_dir.mkdir(parents=True, exist_ok=True)
     months = exports.months_of(config.days)
     first = min(config.since, months[0])
@@ -376,7 +420,15 @@ def _write_files(spark: SparkSession, config: JobConfig) -> list[str]:
     for month in months:
         files += [
             str(path)
-            for path in exports.write_month(config.export_dir, month, usage, registrations)
+            for path in exports.write_month(
+                config.export_dir,
+                month,
+                usage,
+                registrations,
+                tenants=tenants.values(),
+                reported=reported,
+                today=config.today,
+            )
         ]
     return files
 
@@ -431,7 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         # cannot be reached is said in one line, at once.
         for db in databases(config):
             db.connect(timeout=CONNECT_CHECK_TIMEOUT).close()
+        started = time.monotonic()
         spark = session(config)
+        print(
+            f"[reports] Spark {spark.version} on {spark.sparkContext.master} started in "
+            f"{time.monotonic() - started:.1f}s",
+            flush=True,
+        )
         try:
             summary = run_reporting_unreachable(
                 spark, config, progress=lambda line: print(line, flush=True)

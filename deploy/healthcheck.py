@@ -1,7 +1,7 @@
 """The containers' HEALTHCHECK: GET a probe URL, exit 0 on HTTP 200.
 
 The web process's (the image's HEALTHCHECK), and the gateway's and worker's probe listeners
-(compose.yaml: http://127.0.0.1:9101/healthz and :9102; README "Watching it").
+(compose.yaml: http://127.0.0.1:9101/healthz and :9102; docs/production.md, "Watching it").
 
 Standard library only (the slim image has no curl) and no Django start-up, so a probe every
 few seconds costs nearly nothing. It sends the first usable ALLOWED_HOSTS entry as the Host

@@ -65,7 +65,7 @@ CREDENTIAL_KEYS = _credential_keys()
 
 def _unifiedpush_keys() -> list[str]:
     """32-byte keys (base64url) for UnifiedPush endpoint tokens and stored messages; the first
-    encrypts, all decrypt (rotation: README, "UnifiedPush keys")."""
+    encrypts, all decrypt (rotation: docs/unifiedpush.md, "Keys and their rotation")."""
     if ENV.unifiedpush_keys:
         return list(ENV.unifiedpush_keys)
     if PRODUCTION:
@@ -254,7 +254,8 @@ CELERY_BROKER_URL = (
 )
 CELERY_TASK_IGNORE_RESULT = True
 # Celery closes every Django connection after each task unless told to reuse them: a new
-# database connection per send cost a fifth of the worker's time. CONN_MAX_AGE still applies.
+# database connection per send would be a large part of the worker's time. CONN_MAX_AGE
+# still applies.
 CELERY_DB_REUSE_MAX = ENV.celery_db_reuse_max
 CELERY_RESULT_BACKEND = None
 # Workers log through LOGGING (JSON lines) like every other process, not Celery's own format.
@@ -362,6 +363,13 @@ CELERY_BEAT_SCHEDULE = {
         "task": "relay.remove_unused_registrations",
         "schedule": ENV.registration_cleanup_seconds,
     },
+    # Deferred sends (retries, coalescing windows) wait in the database until due.
+    "sweep-deferred-sends": {
+        "task": "relay.sweep_deferred_sends",
+        "schedule": ENV.deferred_sweep_seconds,
+        # A sweep that waited in a long queue is stale: the next one comes anyway.
+        "options": {"expires": max(10.0, 5 * ENV.deferred_sweep_seconds)},
+    },
 }
 if CELERY_BROKER_URL.startswith(("amqp://", "amqps://", "pyamqp://")):
     # Sends past the delivery limit, made dead letters (relay/services/broker_dead_letters.py).
@@ -407,7 +415,10 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "relay.logging.JsonFormatter"}},
-    "filters": {"mask_secrets": {"()": "relay.logging.MaskSecrets"}},
+    "filters": {
+        "mask_secrets": {"()": "relay.logging.MaskSecrets"},
+        "quiet_sweep": {"()": "relay.logging.QuietSweep"},
+    },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
@@ -421,15 +432,17 @@ LOGGING = {
         "django.request": {"filters": ["mask_secrets"]},
         "django.server": {"filters": ["mask_secrets"], "level": "INFO", "propagate": True},
         # The web process's access log (pushsite/server.py: one line per answer, every route)
-        # and Tornado's own lines ("Malformed HTTP message from …"); WSGIContainer's request
-        # lines would repeat the access log.
+        # and aiohttp's own lines ("Error handling request …", a parser's refusal quoting the
+        # request line); its access lines would repeat ours (the server turns them off too).
         "pushsite.access": {"filters": ["mask_secrets"]},
-        "tornado.general": {"filters": ["mask_secrets"]},
-        "tornado.application": {"filters": ["mask_secrets"]},
-        "tornado.access": {"level": "CRITICAL"},
+        "aiohttp.server": {"filters": ["mask_secrets"]},
+        "aiohttp.web": {"filters": ["mask_secrets"]},
+        "aiohttp.access": {"level": "CRITICAL"},
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
         "celery": {"level": LOG_LEVEL},
+        # Beat sends the deferred sweep every second: its line would be most of beat's log.
+        "celery.beat": {"filters": ["quiet_sweep"]},
         # Workers log through these handlers (CELERY_WORKER_HIJACK_ROOT_LOGGER off): Celery's
         # per-task lines would carry every job's arguments; delivery.done says what matters.
         "celery.worker.strategy": {"level": "WARNING"},

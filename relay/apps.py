@@ -6,4 +6,5 @@ class RelayConfig(AppConfig):
     verbose_name = "Push relay"
 
     def ready(self) -> None:
-        from relay import checks, report_checks  # noqa: F401 -- registers the system checks
+        # Importing them registers the system checks and connects the signal receivers.
+        from relay import checks, receivers, report_checks  # noqa: F401

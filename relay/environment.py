@@ -241,9 +241,9 @@ class Environment(BaseSettings):
     web_max_head_bytes: int = var(
         "WEB_MAX_HEAD_BYTES",
         16384,
-        "What one request to the web process may be (docs/web.md): its head's bytes (beyond: "
-        "the connection is closed), its header fields (431), its request line (414), its body "
-        "(a longer Content-Length: 400, the connection closed).",
+        "What one request to the web process may be (docs/web.md): its head's bytes (431), "
+        "its header fields (431), its request line (414), each answered, then the connection "
+        "closed; its body (a longer one: 400 with Connection: close).",
         group=Group.PROCESSES,
     )
     web_max_headers: int = var("WEB_MAX_HEADERS", 100, "", group=Group.PROCESSES)
@@ -621,6 +621,23 @@ class Environment(BaseSettings):
         0,
         "Worker threads one app may hold at once (0: three quarters of the worker's threads), "
         "so one tenant's stuck provider cannot take the pool; beyond it a send is deferred.",
+        group=Group.WORKERS,
+    )
+    deferred_sweep_seconds: float = var(
+        "RELAY_DEFERRED_SWEEP_SECONDS",
+        1.0,
+        "Deferred sends (retries, rate limits, coalescing windows) wait in the database; beat "
+        "publishes at most RELAY_DEFERRED_SWEEP_BATCH due ones every this many seconds, shared "
+        "between tenants, so a provider's backlog never floods the queue of fresh pushes.",
+        group=Group.WORKERS,
+    )
+    deferred_sweep_batch: int = var("RELAY_DEFERRED_SWEEP_BATCH", 500, "", group=Group.WORKERS)
+    deferred_queue_limit: int = var(
+        "RELAY_DEFERRED_QUEUE_LIMIT",
+        20,
+        "A sweep publishes nothing while more messages than this wait in the broker's send "
+        "queue: fresh pushes go first, the deferred ones follow once the workers catch up "
+        "(0: no limit).",
         group=Group.WORKERS,
     )
     breaker_stalls: int = var(

@@ -38,10 +38,13 @@ class RegistrationEvent(models.Model):
     """
 
     at = models.DateTimeField(db_index=True)
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
-    app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="+")
+    # The log outlives the registration, its app and its tenant (deleting them logs the
+    # removals): the ids stay, with no constraint and no cascade.
+    tenant = models.ForeignKey(
+        Tenant, on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
+    )
+    app = models.ForeignKey(App, on_delete=models.DO_NOTHING, db_constraint=False, related_name="+")
     provider = models.CharField(max_length=8, choices=Service.choices)
-    # Not a foreign key: the log outlives the registration it describes.
     registration_id = models.BigIntegerField()
     kind = models.CharField(max_length=16, choices=RegistrationEventKind.choices)
     live_change = models.SmallIntegerField()

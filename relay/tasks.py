@@ -19,6 +19,10 @@ A message is never acknowledged while what it carries exists nowhere else:
   is away for that too, it stays unacknowledged in the broker, where the dead lease is found.
 
 Celery's own retry turns a failed publish into a reject WITHOUT requeue; `_defer` catches that.
+
+Only these database retries wait in the broker (a countdown): the database is what is missing.
+A send deferred for its provider (outage, Retry-After, quota, busy app) or a coalescing window
+waits in the database instead and is queued by beat's sweep (relay/services/deferred.py).
 """
 
 from __future__ import annotations
@@ -150,6 +154,14 @@ def _declare_dead_letter_queue(**_: object) -> None:
 def collect_broker_dead_letters() -> int:
     """Beat task: sends RabbitMQ dead-lettered, recorded as the relay's dead letters."""
     return broker_dead_letters.collect()
+
+
+@shared_task(name="relay.sweep_deferred_sends", ignore_result=True)
+def sweep_deferred_sends() -> int:
+    """Beat task (every RELAY_DEFERRED_SWEEP_SECONDS): queue the deferred sends that are due."""
+    from relay.services import deferred
+
+    return deferred.sweep_due()
 
 
 @shared_task(name="relay.remove_unused_registrations", ignore_result=True)

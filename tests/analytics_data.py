@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as clock
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import psycopg
 
 from tests.support.services import PrivatePostgres
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +53,14 @@ django.setup()
 from relay.services import retention
 pruned = retention.prune(days=int(sys.argv[1]), now=datetime.fromisoformat(sys.argv[2]))
 print(json.dumps(pruned))
+"""
+
+
+_TENANT = """
+import json, sys, django
+django.setup()
+from relay.models import Tenant
+print(json.dumps(Tenant.objects.create(name=sys.argv[1]).pk))
 """
 
 
@@ -95,6 +103,10 @@ class ReportDatabase:
         ).stdout
         return json.loads(out.strip().splitlines()[-1])
 
+    def tenant(self, name: str) -> int:
+        """One more tenant, made by the relay's model (no app, no activity)."""
+        return int(self._relay(_TENANT, name))
+
     def prune(self, days: int, now: datetime) -> dict[str, int]:
         """The relay's retention (relay.services.retention.prune) as if it were `now`."""
         return dict(self._relay(_PRUNE, str(days), now.isoformat()))
@@ -114,18 +126,17 @@ class ReportDatabase:
         with psycopg.connect(self.replica_url if replica else self.url) as conn:
             return conn.execute(sql, params).fetchall()
 
-    def wait_for_replica(self, timeout: float = 15.0) -> None:
+    def wait_for_replica(self, timeout: float = 60.0) -> None:
         """Until the replica has replayed everything the primary wrote so far."""
         [(lsn,)] = self.rows("SELECT pg_current_wal_lsn()::text")
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def replayed() -> bool:
             [(done,)] = self.rows(
                 "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,), replica=True
             )
-            if done:
-                return
-            assert time.monotonic() < deadline, "the replica did not catch up"
-            time.sleep(0.05)
+            return bool(done)
+
+        wait_until(replayed, timeout, "the replica catches up")
 
     # --- records ---------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,7 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from analytics import jobs, reports
+from analytics import exports, jobs, reports
 from analytics.config import Database, JobConfig, Thresholds, Unreachable
 from tests.analytics_data import (
     D1,
@@ -300,7 +301,57 @@ def test_html_report_and_monthly_export(first_run, workdir):
         "11",
     )
     assert (total["registrations_peak"], total["days_in_month"]) == ("3", "31")
+    # What the file covers: the days the runs covered (D3 had no record), not the whole month.
+    for row in rows:
+        assert (row["days_reported"], row["status"], row["days_covered"]) == (
+            "3",
+            "partial",
+            f"{D1}..{D3}",
+        )
     assert any("3 to compute" in line for line in lines)
+
+
+def test_every_tenant_gets_its_monthly_file_and_a_month_in_progress_is_partial(
+    spark, database, tmp_path
+):
+    """February 2026 reported whole: complete, 28 days, and a tenant without any activity
+    gets its file of zeros. Written on its last day, the same month is partial."""
+    database.tenant("idle")
+    database.deliveries("beta", "fcm", delivered("c.example", [10, 20], date(2026, 2, 10)))
+    database.wait_for_replica()
+    first, last = date(2026, 2, 1), date(2026, 2, 28)
+    config = make_config(database, tmp_path, first, last, today=date(2026, 3, 1))
+    jobs.run(spark, config, progress=lambda _: None)
+    folder = tmp_path / "export" / "monthly" / "2026-02"
+
+    def read(tenant: str) -> list[dict[str, str]]:
+        with (folder / f"{tenant}.csv").open() as handle:
+            return list(csv.DictReader(handle))
+
+    [idle] = read("idle")
+    assert (idle["app"], idle["provider"], idle["status"], idle["days_reported"]) == (
+        "(all)",
+        "(all)",
+        "complete",
+        "28",
+    )
+    assert idle["days_covered"] == f"{first}..{last}"
+    assert all(idle[column] == "0" for column in ("publishes_received", "pushes_sent", "delivered"))
+    beta = read("beta")[-1]
+    assert (beta["pushes_sent"], beta["days_reported"], beta["status"]) == ("2", "28", "complete")
+    assert read("alpha")[-1]["pushes_sent"] == "0"
+
+    # Written on the month's last day (nothing changed, the files are written again): partial.
+    jobs.run(spark, replace(config, today=last), progress=lambda _: None)
+    assert [row["status"] for row in read("idle") + read("beta")] == ["partial"] * 3
+
+
+def test_the_days_covered_are_written_as_ranges():
+    days = [date(2026, 11, d) for d in (1, 2, 3, 5, 7, 8)]
+    assert (
+        exports.covered_ranges(days) == "2026-11-01..2026-11-03 2026-11-05 2026-11-07..2026-11-08"
+    )
+    assert exports.covered_ranges([]) == ""
 
 
 def test_no_private_value_in_any_output(first_run, database, workdir):
@@ -356,6 +407,33 @@ def test_an_unchanged_day_is_not_read_again_and_a_changed_one_is_replaced(
     assert spark.read.parquet(str(workdir / "parquet" / "usage")).where(
         f"day = '{D1}'"
     ).count() == len(snapshot)
+
+
+def test_a_push_whose_only_change_is_its_send_time_is_recomputed(spark, database, tmp_path):
+    """A redelivered push answered later: only `sent` moves, and the day's latency with it."""
+    day = date(2026, 6, 1)
+    database.deliveries("alpha", "apns", delivered("a.example", [100, 200, 300], day))
+    database.wait_for_replica()
+    config = make_config(database, tmp_path, day, day)
+    assert jobs.run(spark, config, progress=lambda _: None).changed == [day]
+    assert usage_rows(database, day)[("provider", "alpha", "conv", "apns")][-3:] == (
+        200.0,
+        300.0,
+        300.0,
+    )
+    database.execute(
+        "UPDATE relay_delivery SET sent = received + interval '900 ms' WHERE id = ("
+        "SELECT max(id) FROM relay_delivery WHERE received >= %s AND received < %s)",
+        (at(day, 0), at(day + timedelta(days=1), 0)),
+    )
+    database.wait_for_replica()
+    again = jobs.run(spark, config, progress=lambda _: None)
+    assert again.changed == [day]
+    assert usage_rows(database, day)[("provider", "alpha", "conv", "apns")][-3:] == (
+        200.0,
+        900.0,
+        900.0,
+    )
 
 
 # --- retention: a report outlives its raw records ------------------------------------------------
@@ -607,6 +685,15 @@ def test_run_reports_command_shows_progress_and_refuses_a_bad_database(database,
     assert "1 day(s), 1 to compute" in done.stdout
     assert "loading the daily aggregates" in done.stdout and "done: 1 day(s)" in done.stdout
     assert (tmp_path / "export" / f"report-{D2}-{D2}.html").exists()
+    # Quiet: the progress lines and the files written, nothing of Spark's or the JVM's (their
+    # stderr is in the job's log file); each step says how long it took.
+    lines = done.stdout.splitlines()
+    noise = [line for line in lines if not re.match(r"\[reports[ 0-9.s]*\] |wrote ", line)]
+    assert noise == [], done.stdout
+    for step in ("read and summed", "usage and latency percentiles", "registrations"):
+        assert any(re.search(rf"{step}.* in \d+\.\ds$", line) for line in lines), done.stdout
+    assert re.search(r"Spark \S+ on local\[\*\] started in \d+\.\ds", done.stdout)
+    assert (tmp_path / "var" / "reports-job.log").exists()
 
     bad = {**env, "ANALYTICS_DATABASE_URL": "sqlite:///elsewhere.sqlite3"}
     refused = subprocess.run(

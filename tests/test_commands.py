@@ -22,7 +22,8 @@ from tests.support.processes import ROOT, service_env, test_database_url
 
 pytestmark = pytest.mark.defaults
 
-OUR_APPS = {"relay", "xmppgateway"}
+# Every app of ours: the core, the feature apps inside relay/, the gateway.
+OUR_APPS = {"relay", "relay.unifiedpush", "relay.windows", "xmppgateway"}
 
 
 def test_every_argument_of_every_command_of_ours_has_help():

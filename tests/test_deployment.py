@@ -29,9 +29,10 @@ import yaml
 from cryptography.fernet import Fernet
 
 from tests.support.ports import LOOPBACK, free_port
-from tests.support.processes import ROOT, ServiceProcess, wait_until
+from tests.support.processes import ROOT, ServiceProcess
 from tests.support.rabbitmq import PrivateRabbit
 from tests.support.services import PrivatePostgres, PrivateRedis
+from tests.support.waiting import wait_until
 
 UNITS_DIR = ROOT / "deploy" / "systemd"
 INSTALL_DIR = "/opt/push-relay"  # where the units (and the image) expect the checkout

@@ -1,8 +1,8 @@
-"""README, Production: "ejabberd can listen with TLS on its service port, and slixmpp's
-ComponentXMPP completes the XEP-0114 handshake over it". This holds that claim against a real
-ejabberd 23.01 and slixmpp 1.17, with the knobs a per-component TLS option of the gateway
-would set (it has none yet: the README says so). If a slixmpp upgrade moves these knobs, this
-fails before anyone builds on them.
+"""docs/production.md, "TLS for the component link": "ejabberd can listen with TLS on its
+service port, and slixmpp's ComponentXMPP completes the XEP-0114 handshake over it". This holds
+that claim against a real ejabberd 23.01 and slixmpp 1.17, with the knobs a per-component TLS
+option of the gateway would set (it has none yet: docs/production.md says so). If a slixmpp
+upgrade moves these knobs, this fails before anyone builds on them.
 """
 
 from __future__ import annotations

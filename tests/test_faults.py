@@ -32,12 +32,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -50,13 +52,14 @@ from tests.support.component_server import FakeXmppServer
 from tests.support.processes import (
     ROOT,
     ServiceProcess,
+    beat_argv,
     service_env,
     start_gateway,
-    wait_until,
     worker_argv,
 )
 from tests.support.rabbitmq import PrivateRabbit, PrivateRabbitCluster
 from tests.support.services import PrivatePostgres, PrivateRedis
+from tests.support.waiting import wait_until
 
 SECRET = "fault-secret"
 SEND_QUEUE = "relay.sends"  # CELERY_QUEUE's default
@@ -272,6 +275,7 @@ class Lab:
         self.database_url = postgres.url(self.database)
         self.tenants: dict[str, Tenant] = {}
         self.gateway: ServiceProcess | None = None
+        self.beat: ServiceProcess | None = None
         self.workers: list[ServiceProcess] = []
         self.env: dict[str, str] = {}
         redis_cli(redis, "FLUSHALL")
@@ -297,8 +301,11 @@ class Lab:
         self.gateway = start_gateway(**self.env)
         for _ in range(workers):
             self.start_worker()
+        # Beat's sweep queues the deferred sends (retries) once due, as in production.
+        schedule = str(Path(tempfile.mkdtemp(prefix="relay-beat-")) / "schedule")
+        self.beat = ServiceProcess("beat", beat_argv(schedule), service_env(**self.env))
         for tenant in self.tenants.values():
-            tenant.server.wait_connected(timeout=30)
+            tenant.server.wait_connected(gateway=self.gateway)
 
     def start_worker(self) -> ServiceProcess:
         worker = ServiceProcess(
@@ -312,7 +319,7 @@ class Lab:
     def close(self) -> str:
         """Stop everything; returns the processes' logs (the tail) for failure messages."""
         logs = []
-        for process in [self.gateway, *self.workers]:
+        for process in [self.gateway, self.beat, *self.workers]:
             if process is not None:
                 process.stop()
                 logs.append(f"--- {process.name}\n{process.log_text()[-4000:]}")
@@ -654,9 +661,9 @@ def test_the_send_handed_to_a_worker_as_it_is_killed_is_not_lost(lab: Lab) -> No
     [worker] = lab.workers
     worker.process.send_signal(signal.SIGSTOP)
     tenant.publish_stream(1, None, start=1)
-    wait_until(lambda: len(tenant.answers()) == 2, timeout=15)
+    wait_until(lambda: len(tenant.answers()) == 2)
     # Delivered to the frozen worker: no longer ready in the queue.
-    wait_until(lambda: lab.ready_in_queue() == 0, timeout=15)
+    wait_until(lambda: lab.ready_in_queue() == 0)
     time.sleep(0.5)
     worker.process.send_signal(signal.SIGKILL)
     worker.process.wait()

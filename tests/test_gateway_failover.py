@@ -31,7 +31,8 @@ from relay.models import (
     Tenant,
 )
 from tests.fakes.fcm import FakeFcm
-from tests.support.processes import ServiceProcess, start_gateway, start_worker, wait_until
+from tests.support.processes import ServiceProcess, start_gateway, start_worker
+from tests.support.waiting import wait_until
 from tests.support.xmpp_client import RawXmppStream
 
 pytestmark = [pytest.mark.peers, pytest.mark.django_db(transaction=True)]

@@ -376,11 +376,22 @@ def test_retention_zero_keeps_everything(component):
     assert Delivery.objects.count() == 1
 
 
-def test_tenant_deletion_takes_its_records(component):
+def test_tenant_deletion_takes_its_records_but_the_lifecycle_log_keeps_the_removals(component):
     register(component, "tok-1")
-    component.delete()  # components protect their app
+    PublishTally.objects.create(
+        minute=timezone.now().replace(second=0, microsecond=0),
+        tenant=component.tenant,
+        app=component.app,
+        provider="fcm",
+        publishing_domain="localhost",
+        verdict="accepted",
+        count=1,
+    )
+    component.delete()  # components protect their app; the registration goes with it
     Tenant.objects.all().delete()
-    assert RegistrationEvent.objects.count() == 0
+    assert not PublishTally.objects.exists() and not Registration.objects.exists()
+    # Ids only (no token, JID or name): the past days' live counts stay right.
+    assert [(kind, change) for kind, _, change in events()] == [("created", 1), ("removed", -1)]
 
 
 def test_beat_runs_the_reports_once_a_replica_is_set_and_always_prunes():

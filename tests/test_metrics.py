@@ -31,10 +31,10 @@ from tests.support.processes import (
     start_gateway,
     start_web,
     start_worker,
-    wait_until,
 )
 from tests.support.rabbitmq import PrivateRabbit
 from tests.support.services import PrivatePostgres, PrivateRedis
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import amqp
 import redis
 
 from tests.support.rabbitmq import PrivateRabbit, PrivateRabbitCluster, amqp_ready
 from tests.support.services import PrivatePostgres, PrivateRedis
+from tests.support.waiting import wait_until
 
 
 def test_postgres_restart_keeps_data_and_replica_follows_primary() -> None:
@@ -17,10 +16,10 @@ def test_postgres_restart_keeps_data_and_replica_follows_primary() -> None:
         standby = primary.replica()
         try:
             primary.psql("INSERT INTO t VALUES (1), (2)")
-            deadline = time.monotonic() + 10
-            while standby.psql("SELECT count(*) FROM t") != "2":
-                assert time.monotonic() < deadline, "the replica did not catch up"
-                time.sleep(0.1)
+            wait_until(
+                lambda: standby.psql("SELECT count(*) FROM t") == "2",
+                what="the replica catches up",
+            )
             assert standby.psql("SELECT pg_is_in_recovery()") == "t"
         finally:
             standby.close()

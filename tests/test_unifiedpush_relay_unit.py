@@ -15,6 +15,7 @@ from relay.unifiedpush.gateway.phones import Recipient
 from relay.unifiedpush.gateway.relay import UnifiedPushRelay
 from relay.unifiedpush.services import UP_NS, messages, tokens
 from relay.unifiedpush.services.store import NewMessage, StoredMessage
+from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.defaults
 
@@ -118,8 +119,15 @@ def test_only_the_phone_itself_can_answer_and_a_failure_holds_it_back():
 def test_a_stale_read_of_a_delivered_message_does_not_send_it_again():
     """A sweep or flush that read the row before its delete comes back after it."""
 
+    finished: list[int] = []
+
+    async def database(fn, *args, **kwargs):
+        if fn.__name__ == "finish":
+            finished.extend(kwargs["ids"])
+        return await no_database(fn, *args, **kwargs)
+
     async def scenario():
-        relay, wire = UnifiedPushRelay(no_database), Wire()
+        relay, wire = UnifiedPushRelay(database), Wire()
         relay.link_up(1, "up.example.org", wire)
         await relay._index()  # as the first sweep after a link comes up
         message = stored(10)
@@ -127,8 +135,8 @@ def test_a_stale_read_of_a_delivered_message_does_not_send_it_again():
         await asyncio.sleep(0)
         iq_id = ET.fromstring(wire.sent[0]).get("id")
         assert relay.on_iq_answer(1, answer(iq_id, JID))  # delivered
-        for _ in range(5):  # the finish window passes, the row is deleted
-            await asyncio.sleep(0.03)
+        # The finish window passes, the row is deleted.
+        await async_wait_until(lambda: finished == [10], what="the delivered row is deleted")
         relay.consider(message, flush=True)  # what the stale read returned
         await asyncio.sleep(0)
         return wire.sent

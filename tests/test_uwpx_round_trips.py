@@ -13,7 +13,7 @@ from django.db import OperationalError, close_old_connections, connection
 
 from relay.models import App, Registration, Tenant, WnsDevice
 from relay.windows import services as uwpx
-from relay.windows.services import AccountRef, ErrorKind, UwpxError
+from relay.windows.services import AccountRef, ErrorKind, UwpxError, batch, identifiers, sql
 
 DEVICE_ID = "5486bd868050a620141f4e81c9f1d2c67ab0de27e5e26d218ca41c9394ee806b"
 CHANNEL = "https://db5p.notify.windows.com/?token=AwYAAAD8sXKQxmVlUmNhQ%2bjNMKn6"
@@ -37,15 +37,15 @@ def app(component) -> App:
 
 @pytest.fixture
 def statements(monkeypatch) -> list[str]:
-    """Every statement the actions send through uwpx._fetchall."""
+    """Every statement the actions send through the package's `sql.fetchall`."""
     sent: list[str] = []
-    real = uwpx._fetchall
+    real = sql.fetchall
 
     def counting(sql, params):
         sent.append(sql)
         return real(sql, params)
 
-    monkeypatch.setattr(uwpx, "_fetchall", counting)
+    monkeypatch.setattr(sql, "fetchall", counting)
     return sent
 
 
@@ -191,14 +191,14 @@ def test_a_connection_dying_again_is_surfaced_after_one_retry(app, monkeypatch):
     uwpx.set_channel_uri(app=kept, device_id=DEVICE_ID, channel_uri=CHANNEL)
     _next_request()
     runs = []
-    real = uwpx._fetchall
+    real = sql.fetchall
 
     def dying(sql, params):
         runs.append(sql)
         _kill_backend()
         return real(sql, params)
 
-    monkeypatch.setattr(uwpx, "_fetchall", dying)
+    monkeypatch.setattr(sql, "fetchall", dying)
     with pytest.raises(OperationalError):
         uwpx.set_channel_uri(app=kept, device_id="ab" * 32, channel_uri=CHANNEL)
     assert len(runs) == 2
@@ -261,8 +261,8 @@ def slow_first_batch(monkeypatch):
     """The first batch of each group takes a while, so the other threads queue behind it and
     the next batch holds them all; records each batch's size."""
     batches: dict[str, list[int]] = {}
-    for name in ("_channel_group", "_accounts_group"):
-        group = getattr(uwpx, name)
+    for name in ("channel_group", "accounts_group"):
+        group = getattr(batch, name)
         real = group._write
         log = batches.setdefault(name, [])
 
@@ -304,8 +304,8 @@ def test_concurrent_registrations_share_a_commit_and_each_is_answered_after_it(
     results = _in_threads(count, register)
     for result in results:
         assert not isinstance(result, BaseException), result
-    channel_batches = slow_first_batch["_channel_group"]
-    accounts_batches = slow_first_batch["_accounts_group"]
+    channel_batches = slow_first_batch["channel_group"]
+    accounts_batches = slow_first_batch["accounts_group"]
     # All but the first thread waited behind the first batch, and went in one more.
     assert sum(channel_batches) == count
     assert sum(accounts_batches) == count
@@ -322,7 +322,7 @@ def test_concurrent_registrations_share_a_commit_and_each_is_answered_after_it(
     assert _visible_elsewhere("SELECT count(*) FROM relay_registrationevent", []) == 2 * count
 
     # Again, unchanged: renewed in batches, the same nodes and secrets answered.
-    slow_first_batch["_accounts_group"].clear()
+    slow_first_batch["accounts_group"].clear()
     again = _in_threads(
         count,
         lambda index: uwpx.set_accounts(
@@ -335,7 +335,7 @@ def test_concurrent_registrations_share_a_commit_and_each_is_answered_after_it(
         assert [(a.node, a.secret) for a in answer.accounts] == [
             (a.node, a.secret) for a in first.accounts
         ]
-    assert max(slow_first_batch["_accounts_group"]) > 1
+    assert max(slow_first_batch["accounts_group"]) > 1
     assert Registration.objects.count() == 2 * count
     assert _visible_elsewhere("SELECT count(*) FROM relay_registrationevent", []) == 2 * count
 
@@ -351,14 +351,14 @@ def test_a_batch_leaves_what_it_cannot_write_plainly_to_each_request_alone(app):
         uwpx.set_channel_uri(app=kept, device_id=_device_id(index), channel_uri=CHANNEL)
     uwpx.set_accounts(app=kept, device_id=_device_id(1), accounts=_accounts(1))
 
-    def item(index: int, accounts: list[AccountRef]) -> uwpx._AccountsItem:
+    def item(index: int, accounts: list[AccountRef]) -> batch.AccountsItem:
         device_id = _device_id(index)
-        wanted = uwpx._resolve_accounts(device_id=device_id, accounts=accounts)
-        return uwpx._AccountsItem(kept, uwpx.device_id_hash(device_id), wanted)
+        wanted = identifiers.resolve_accounts(device_id=device_id, accounts=accounts)
+        return batch.AccountsItem(kept, uwpx.device_id_hash(device_id), wanted)
 
     claimed = uwpx.account_id(device_id=_device_id(1), bare_jid="user1-0@example.org")
     shared = uwpx.account_id(device_id=_device_id(9), bare_jid="shared@example.org")
-    answers = uwpx._write_accounts(
+    answers = batch.write_accounts(
         [
             item(0, _accounts(0)),  # plain: written
             item(1, _accounts(1)[:1]),  # removes an account
@@ -410,7 +410,7 @@ def test_a_database_error_on_a_live_kept_connection_is_raised_not_retried():
 
     try:
         with pytest.raises(OperationalError, match="locked"):
-            uwpx._on_live_connection(failing)
+            sql.on_live_connection(failing)
     finally:
         wrapper.health_check_enabled, wrapper.health_check_done = enabled, done
     assert runs == [1]

@@ -26,8 +26,9 @@ from relay.unifiedpush.models import UnifiedPushMessage
 from relay.unifiedpush.services import messages
 from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
-from tests.support.processes import ServiceProcess, child_pids, start_web, wait_until
+from tests.support.processes import ServiceProcess, child_pids, start_web
 from tests.support.raw_http import Reader, closed_by_peer, exchange, post, request
+from tests.support.waiting import wait_until
 
 LIMITS = {
     "WEB_HEAD_SECONDS": "2",
@@ -199,7 +200,7 @@ def test_clients_that_stop_reading_are_closed_at_the_flush_deadline(web_endpoint
     with connect(port) as sock:  # answered meanwhile (after the static files queued before it)
         assert exchange(sock, request("GET", "/healthz"))[0].status == 200
     # Every one of them ends (reset: what was not sent is dropped), and nothing is held.
-    wait_until(lambda: raw_http.established(port) == 0, timeout=15)
+    wait_until(lambda: raw_http.established(port) == 0)
     for sock in stuck:
         sock.setblocking(True)
         assert closed_by_peer(sock, timeout=5)
@@ -294,7 +295,7 @@ def test_slow_and_stalled_heads_and_bodies_hold_nothing_others_need(web_endpoint
     for sock in stalled:
         assert closed_by_peer(sock, timeout=15)
         sock.close()
-    wait_until(lambda: raw_http.established(port) == 0, timeout=10)
+    wait_until(lambda: raw_http.established(port) == 0)
 
 
 def test_a_component_saved_before_urls_were_checked_gets_answers_on_every_path(web_endpoint):

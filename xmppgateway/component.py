@@ -76,7 +76,7 @@ def reply_xml(asker: Asker, answer: handlers.Answer, component_jid: str) -> byte
 
 def _element_xml(element: ET.Element, parent_ns: str) -> str:
     """Our own payloads (disco, command results): a namespace is declared where it changes.
-    (slixmpp's `tostring` escapes character by character: 1 ms for a 3 KB attribute.)"""
+    (slixmpp's `tostring` escapes character by character, slow on long attributes.)"""
     ns, _, name = element.tag[1:].partition("}") if element.tag[0] == "{" else ("", "", element.tag)
     parts = [f"<{name}"]
     if ns != parent_ns:

@@ -215,11 +215,9 @@ class PublishBatcher:
       than `concurrency` batch calls run, the publishes that arrived together (one read from
       the link, one turn of the event loop) go out at once; while they all run, the publishes
       gather and go out as the next batch the moment one ends. A publish at an everyday rate
-      waits for nothing and the batches grow with the load (bench/relay.py's open loop: p99
-      publish -> result 49 ms at 100/s, against 635 ms with the 2 ms timer that was the
-      default). Sends reach the workers sooner and one by one: the stuck-provider fault test
-      (tests/test_faults.py) counts 53-61 requests at the stuck provider before the breakers
-      open (about 30 with the timer, about 100 on a machine at load 15-20; its bound is 80);
+      waits for nothing and the batches grow with the load. Sends reach the workers sooner
+      and one by one, so a stuck provider sees more requests before its breakers open than
+      with a timer (tests/test_faults.py bounds how many);
     - a timer (`window` > 0): the publishes that arrive within `window` seconds of the first
       go out together, whatever else runs (`concurrency` 0: no limit).
 

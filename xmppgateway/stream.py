@@ -117,8 +117,8 @@ class GuardedStream(ComponentXMPP):
         """Acknowledge what the server sent at once instead of with our next write. XMPP
         servers write with Nagle's algorithm on (Prosody's default), so each of their writes
         waits for our acknowledgement of the previous one: left to the kernel's delayed
-        acknowledgement, the phones' answers came back about a millisecond late under steady
-        traffic (bench/unifiedpush.py). Linux resets the flag after every acknowledgement."""
+        acknowledgement, the phones' answers would come back late under steady traffic.
+        Linux resets the flag after every acknowledgement."""
         with contextlib.suppress(OSError):
             self._quickack.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 

@@ -1,13 +1,13 @@
 """Whether a device's provider address can ever be sent to: checked when it is registered.
 
 A WNS channel URI the worker would refuse (its host or port not on the app's channel hosts)
-used to be registered anyway: the phone was told `completed`, and every push to it went
-straight to the dead letters. Registration now asks the same question the worker asks before
+must not be registered: the phone would be told `completed`, and every push to it would go
+straight to the dead letters. Registration asks the same question the worker asks before
 each send, `relay.providers.wns.channel_uri_allowed` with the app's hosts from
 `relay.services.credentials.configs.wns_channel_hosts`, and refuses with a text that says what is
 wrong. Both ways in use it: the ad-hoc command `register-push-wns`
 (`relay.services.registrations.register_device`) and the Windows API
-(`relay.windows.services`).
+(`relay.windows.services.identifiers`).
 
 Channel host patterns (the app's "WNS channel hosts", one per line, or the site default
 `RELAY_WNS_CHANNEL_HOSTS`):

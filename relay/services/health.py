@@ -1,5 +1,5 @@
-"""Is a process able to do its job: the probes of web, gateway and worker (README, "Watching
-it"). Every check answers within a few seconds even when what it checks is gone."""
+"""Is a process able to do its job: the probes of web, gateway and worker (docs/production.md,
+"Watching it"). Every check answers within a few seconds even when what it checks is gone."""
 
 from __future__ import annotations
 

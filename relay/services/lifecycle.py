@@ -3,7 +3,9 @@
 Each change to registrations is recorded by one call placed right beside it in the service
 that makes it (registrations, uwpx, delivery), so the log holds exactly what happened and
 nothing else: ids, app, provider and time, never the token, JID, node or secret. Events of
-one change are bulk-inserted in one statement.
+one change are bulk-inserted in one statement. A registration deleted any other way (the
+admin, an app, component or tenant deleted, a queryset's delete()) reaches `deleting` through
+a pre_delete receiver (relay/receivers.py), so every removal is in the log.
 
 `live_change` says how the number of live registrations moved (see `RegistrationEvent`):
 the reports rebuild the live count of any past day from today's count and the changes since.
@@ -12,6 +14,7 @@ the reports rebuild the live count of any past day from today's count and the ch
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
@@ -38,8 +41,8 @@ _EVENT_SQL = (
 
 def _record(rows: Sequence[dict[str, Any]], kind: str, at: datetime) -> None:
     """One insert for the events; `rows` carry id, app_id, app__tenant_id, service and the
-    event's live_change. A plain multi-row INSERT: the ORM's bulk_create cost about a quarter
-    of a Windows registration's CPU."""
+    event's live_change. A plain multi-row INSERT: the ORM's bulk_create would be a large
+    part of a Windows registration's CPU."""
     if not rows:
         return
     when = connection.ops.adapt_datetimefield_value(at)
@@ -138,16 +141,41 @@ def died(registration_ids: Iterable[int], *, at: datetime) -> None:
     _record(rows, RegistrationEventKind.DIED, at)
 
 
+# Registrations whose removal `delete_logged` records itself (in one insert): the
+# per-registration path below (`deleting`) leaves them alone.
+_logged_removals: ContextVar[frozenset[int]] = ContextVar("logged_removals", default=frozenset())
+
+
 def delete_logged(
     registrations: QuerySet[Registration], *, at: datetime | None = None
 ) -> tuple[int, dict[str, int]]:
-    """`registrations.delete()` that logs a removal for each registration deleted."""
+    """`registrations.delete()` that logs a removal for each registration deleted, in one
+    insert (a removal it did not see, e.g. a row that matched since, is logged by `deleting`)."""
     at = at or timezone.now()
     with transaction.atomic():
         rows = [
             {**row, "live_change": -1 if row["dead_since"] is None else 0}
             for row in registrations.select_for_update(of=("self",)).values(*_FIELDS)
         ]
-        result = registrations.delete()
+        token = _logged_removals.set(frozenset(row["id"] for row in rows))
+        try:
+            result = registrations.delete()
+        finally:
+            _logged_removals.reset(token)
         _record(rows, RegistrationEventKind.REMOVED, at)
     return result
+
+
+def deleting(registration: Registration, *, at: datetime | None = None) -> None:
+    """A registration is being deleted by any other way than `delete_logged` (the admin, an
+    app, component or tenant deleted with it, a queryset's or an instance's delete()): log
+    its removal, so that past days' live counts stay right. Called for each row just before
+    it goes, inside the deletion's transaction (rolled back with it); the row is read again,
+    so a stale instance cannot log a wrong live change."""
+    if registration.pk is None or registration.pk in _logged_removals.get():
+        return
+    rows = [
+        {**row, "live_change": -1 if row["dead_since"] is None else 0}
+        for row in Registration.objects.filter(pk=registration.pk).values(*_FIELDS)
+    ]
+    _record(rows, RegistrationEventKind.REMOVED, at or timezone.now())

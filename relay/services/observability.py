@@ -16,7 +16,8 @@ from django.db.models import Count, Q
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from relay.models import App, DeadLetter, Registration
+from relay.models import App, DeadLetter, Registration, Tenant
+from relay.services import deferred
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,30 @@ def _dead_letters_pending(apps: dict[int, tuple[str, str]]) -> GaugeMetricFamily
     return family
 
 
+def _deferred() -> list[Metric]:
+    """The deferred sends waiting in the database (relay/services/deferred.py), by tenant and
+    whether they are due; and how long the oldest due one is overdue (grows when beat's
+    sweep stops or cannot keep up)."""
+    backlog = deferred.backlog()
+    names = dict(Tenant.objects.filter(pk__in=backlog.waiting).values_list("pk", "name"))
+    waiting = GaugeMetricFamily(
+        "relay_deferred_sends",
+        "Sends deferred in the database (retries, coalescing windows), by tenant and state "
+        "(due: waiting for the sweep; later: not due yet).",
+        labels=["tenant", "state"],
+    )
+    for tenant, count in backlog.waiting.items():
+        due = backlog.due.get(tenant, 0)
+        waiting.add_metric([names.get(tenant, str(tenant)), "due"], due)
+        waiting.add_metric([names.get(tenant, str(tenant)), "later"], count - due)
+    overdue = GaugeMetricFamily(
+        "relay_deferred_oldest_due_seconds",
+        "How long the oldest due deferred send has waited past its due time (0: none).",
+    )
+    overdue.add_metric([], round(backlog.oldest_due_seconds, 3))
+    return [waiting, overdue]
+
+
 def queue_depth() -> int:
     """Sends waiting in the broker for a worker (not those a worker holds for a countdown)."""
     from kombu.exceptions import ChannelError
@@ -109,6 +134,7 @@ def read_state() -> list[Metric]:
     try:
         apps = _app_names()
         families += [_registrations(apps), _credential_expiry(), _dead_letters_pending(apps)]
+        families += _deferred()
         up.add_metric(["database"], 1)
     except DatabaseError as error:
         log.warning("metrics.database_unavailable", extra={"error_type": type(error).__name__})

@@ -16,7 +16,7 @@ none of them makes a send wait for another app:
 - sends: at most RELAY["MAX_IN_FLIGHT_PER_PROVIDER"] wake-ups in flight per app's provider (a
   batch takes up to BATCH_SLOTS at a time, Sygnal's ConcurrencyLimitedPushkin). A batch waits
   up to RELAY["IN_FLIGHT_WAIT_SECONDS"] for a slot: only the app's own, bounded, threads
-  hold them, and bouncing at once delayed a tenth of the pushes under plain load.
+  hold them, and bouncing at once would delay pushes under plain load.
 - breaker: RELAY["BREAKER_STALLS"] stalls in a row (timeouts, network errors: the provider did
   not answer) open the breaker of that app's provider and credentials. For
   RELAY["BREAKER_SECONDS"] its sends are deferred at once (PROVIDER_STALLED, with the time

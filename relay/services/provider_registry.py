@@ -115,9 +115,9 @@ def apps(versions: dict[int, datetime]) -> dict[int, App]:
     """The apps by id, `versions` giving each one's current `updated` (read with the batch):
     an App is loaded from the database only when unseen or changed since.
 
-    Loading one meant compiling its query and decrypting its credentials on every batch (a
-    fifth of a worker's time at one push per batch). Every save moves `updated`, so an edit
-    (credentials, endpoints, payload options, its tenant) is seen on the next batch as before.
+    Loading one means compiling its query and decrypting its credentials, a large part of a
+    worker's time at one push per batch. Every save moves `updated`, so an edit (credentials,
+    endpoints, payload options, its tenant) is seen on the next batch.
     """
     found: dict[int, App] = {}
     missing: set[int] = set()

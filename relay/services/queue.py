@@ -57,7 +57,7 @@ class SendJob:
 
 _FIELD_NAMES = tuple(field.name for field in dataclasses.fields(SendJob))
 # Celery writes a repr of the arguments into every message's headers for its logs and
-# monitors: formatting it (celery.utils.saferepr) was a tenth of the gateway's CPU. The jobs
+# monitors: formatting it (celery.utils.saferepr) is a cost per publish for nothing. The jobs
 # carry nothing a log needs; the worker logs push ids itself.
 _NO_REPRS: dict[str, Any] = {"argsrepr": "", "kwargsrepr": ""}
 
@@ -142,7 +142,7 @@ def enqueue_send(job: SendJob, *, countdown: float | None = None) -> SendJob:
 
 def enqueue_sends(jobs: list[SendJob]) -> list[SendJob]:
     """Publish jobs that go out now as ONE broker message (relay.send_pushes); returns only
-    once the broker has it. A single job travels as relay.send_push, as before."""
+    once the broker has it. A single job travels as relay.send_push."""
     if not jobs:
         return []
     if len(jobs) == 1:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from datetime import date
+from pathlib import Path
 
 from django.conf import settings
 
@@ -56,6 +57,12 @@ def job_argv(
     return argv
 
 
+def job_log(var_dir: Path) -> Path:
+    """Where a run's stderr goes (Spark's and the JVM's messages, errors): one file, replaced
+    by each run; the command's output holds the progress lines alone."""
+    return var_dir / "reports-job.log"
+
+
 def run_reports(
     *,
     since: date | None = None,
@@ -65,17 +72,24 @@ def run_reports(
     output: Callable[[str], None] | None = None,
 ) -> int:
     """Run the job (default: yesterday and today, local[*]) and pass its progress lines to
-    `output`. Returns the number of lines; raises ReportsFailed when the job fails."""
-    env = {**os.environ, "VAR_DIR": str(conf.current().var_dir)}
+    `output`. Returns the number of lines; raises ReportsFailed when the job fails (with the
+    last lines of its stderr, which is kept in `job_log`)."""
+    var_dir = conf.current().var_dir
+    var_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "VAR_DIR": str(var_dir)}
     lines: list[str] = []
-    with subprocess.Popen(
-        job_argv(since=since, until=until, master=master, force=force),
-        cwd=settings.BASE_DIR,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    ) as process:
+    log_path = job_log(var_dir)
+    with (
+        log_path.open("w", encoding="utf-8") as stderr,
+        subprocess.Popen(
+            job_argv(since=since, until=until, master=master, force=force),
+            cwd=settings.BASE_DIR,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        ) as process,
+    ):
         assert process.stdout is not None
         for line in process.stdout:
             line = line.rstrip("\n")
@@ -83,11 +97,13 @@ def run_reports(
             if output is not None:
                 output(line)
     if process.returncode != 0:
+        errors = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
         log.error("reports.failed", extra={"returncode": process.returncode})
         if process.returncode == REFUSED_STATUS:
-            for line in reversed(lines):
+            for line in reversed(errors):
                 if line.startswith(REFUSED_PREFIX):
                     raise ReportsRefused(line.removeprefix(REFUSED_PREFIX))
-        raise ReportsFailed("\n".join(lines[-20:]) or f"exit status {process.returncode}")
+        tail = (lines + errors)[-40:]
+        raise ReportsFailed("\n".join(tail) or f"exit status {process.returncode}")
     log.info("reports.done", extra={"lines": len(lines)})
     return len(lines)

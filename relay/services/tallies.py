@@ -5,8 +5,8 @@ Called once per gateway batch with the batch's verdicts, which are summed in mem
 written at most every RELAY_TALLY_FLUSH_SECONDS (and when the gateway stops): ONE upsert
 statement per flush, whatever was summed (tenant and app come from the component in the same
 statement), in a transaction that does not wait for the WAL flush (bookkeeping, like the
-delivery records). At an everyday rate every batch is one publish, and its own upsert was
-about a sixth of the gateway's CPU per publish and four of PostgreSQL's statements.
+delivery records). At an everyday rate every batch is one publish: an upsert per batch
+would cost the gateway and PostgreSQL more than the publish itself.
 
 A gateway killed outright loses what it had not written yet (at most that interval), never
 a push. Tallies the database refuses are kept for the next flush (up to MAX_PENDING_KEYS, then

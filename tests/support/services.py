@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tests.support.ports import LOOPBACK, free_port, port_accepts
 from tests.support.rabbitmq import PrivateRabbit
+from tests.support.waiting import wait_until
 
 POSTGRES_BIN_ROOT = Path("/usr/lib/postgresql")
 # Never durable: these servers exist for one test run. Crash safety is what fault tests
@@ -85,12 +86,29 @@ def _run(argv: list[str], *, timeout: float = 60.0) -> str:
     return result.stdout
 
 
-def _wait_for_port(port: int, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not port_accepts(port):
-        if time.monotonic() > deadline:
-            raise ServiceError(f"{what} did not listen on port {port} within {timeout}s")
-        time.sleep(0.05)
+def _wait_for_port(
+    port: int,
+    timeout: float,
+    what: str,
+    log: Path | None = None,
+    process: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Until the server accepts on `port`; a server that exits or never listens says why (the
+    end of its log)."""
+
+    def tail() -> str:
+        text = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+        return f"{what} did not listen on port {port}\n{text}"
+
+    def listening() -> bool:
+        if process is not None and process.poll() is not None:
+            raise ServiceError(f"{what} exited with {process.returncode}: {tail()}")
+        return port_accepts(port)
+
+    try:
+        wait_until(listening, timeout, tail)
+    except TimeoutError as error:
+        raise ServiceError(str(error)) from None
 
 
 class PrivatePostgres:
@@ -132,7 +150,7 @@ class PrivatePostgres:
         flags = " ".join(f"-c {key}={value}" for key, value in options.items())
         return f"{flags} -k {self.workdir}"
 
-    def start(self, timeout: float = 30.0) -> PrivatePostgres:
+    def start(self, timeout: float = 60.0) -> PrivatePostgres:
         if not self.data.exists():
             self.init()
         _run(
@@ -153,7 +171,7 @@ class PrivatePostgres:
             ),
             timeout=timeout + 10,
         )
-        _wait_for_port(self.port, timeout, "postgres")
+        _wait_for_port(self.port, timeout, "postgres", self.log)
         return self
 
     def stop(self, mode: str = "fast", timeout: float = 30.0) -> None:
@@ -267,7 +285,7 @@ class PrivateRedis:
         self.workdir = Path(tempfile.mkdtemp(prefix="relay-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 15.0) -> PrivateRedis:
+    def start(self, timeout: float = 60.0) -> PrivateRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise ServiceError("redis-server not found: install redis-server (`make test` does)")
@@ -293,7 +311,7 @@ class PrivateRedis:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        _wait_for_port(self.port, timeout, "redis")
+        _wait_for_port(self.port, timeout, "redis", self.workdir / "redis.log", self.process)
         return self
 
     def stop(self) -> None:

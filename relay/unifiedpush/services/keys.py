@@ -5,7 +5,7 @@ v4.local key of endpoint tokens, the AES-256-GCM key that seals stored messages,
 key of the keyed hashes that stand in for endpoints, accounts and topics in the database.
 A key is named by its `kid` (a hash of the key, never the key): tokens carry it in their
 footer and sealed messages in their first bytes, so the right key is found without trying
-them all. The first key encrypts; every configured key decrypts (rotation, README).
+them all. The first key encrypts; every configured key decrypts (rotation: docs/unifiedpush.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Token buckets in the web process: 429 for an endpoint or a tenant that POSTs too fast.
 
 They live in process memory, so a POST costs no round trip to a shared store; with several
-web processes each holds its own buckets (README: the limits are per web process).
+web processes each holds its own buckets (docs/unifiedpush.md, Design notes).
 """
 
 from __future__ import annotations

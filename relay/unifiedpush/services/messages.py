@@ -179,7 +179,7 @@ class _Opened:
 
 # Tokens this process opened lately, with their keyed hashes: an application server POSTs to
 # the same endpoint again and again (a chat's notifications), and opening a PASETO token and
-# hashing it cost about a sixth of a POST's CPU. Only what authenticated is kept; expiry is
+# hashing it is a large part of a POST's CPU. Only what authenticated is kept; expiry is
 # checked on every POST, revocation is the store's (in its statement), and a changed key list
 # is a new ring, so nothing cached outlives the keys that opened it.
 _OPENED_MAX = 10_000

@@ -123,8 +123,8 @@ def parse_notify_payload(payload: str) -> StoredMessage | int:
     )
 
 
-# The batch comes as ONE JSON parameter (psycopg adapts a JSON string in microseconds, where
-# fourteen arrays cost a third of a millisecond); bodies as base64. The endpoint's bound and
+# The batch comes as ONE JSON parameter (psycopg adapts one JSON string far faster than
+# fourteen arrays); bodies as base64. The endpoint's bound and
 # Topic replacement look up only that endpoint's rows (index on endpoint_key, LATERAL).
 _PG_STORE_BATCH = f"""
 WITH input AS (

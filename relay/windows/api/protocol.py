@@ -40,7 +40,7 @@ def dispatch(*, app: App, message: Message) -> dict[str, object]:
     answer's JSON body.
 
     Plain dicts, the shape of OkResponse and AccountsResponse (dumped without None): building
-    those models, and the API validating them once more, cost more CPU than storing."""
+    those models, and the API validating them once more, would cost more CPU than storing."""
     uwpx.check_device_rate(device_id=message.device_id, action=message.action)
     if isinstance(message, SetChannelUri):
         uwpx.set_channel_uri(app=app, device_id=message.device_id, channel_uri=message.channel_uri)

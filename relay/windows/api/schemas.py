@@ -24,7 +24,7 @@ DEVICE_ID_DESCRIPTION = (
 
 class _Strict(BaseModel):
     # Plain pydantic models, not ninja's Schema: its wrapping validator (for reading ORM
-    # objects, which these never are) was the larger part of validating a message.
+    # objects, which these never are) would be the larger part of validating a message.
     model_config = ConfigDict(extra="forbid", strict=True)
 
 

@@ -1,0 +1,174 @@
+"""Plain SQL for the two hot requests, and the connection they run on.
+
+set_channel_uri and set_accounts run for every Windows client start. Through the ORM each
+would be about a dozen statements, each built anew; here they are a few fixed statements,
+prepared on PostgreSQL, that both PostgreSQL and SQLite run (RETURNING and ON CONFLICT:
+SQLite 3.35+). The rarer changes (accounts removed, a token renewed, a domain learnt) go
+through the ORM and relay.services.lifecycle."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any, TypeVar
+
+from django.db import InterfaceError, OperationalError, connection
+
+from relay.models import App, Component, Registration, Tenant, WnsDevice
+
+log = logging.getLogger("relay.windows.services")
+
+T = TypeVar("T")
+
+
+def on_live_connection(action: Callable[[], T]) -> T:
+    """Run `action` (a whole transaction, or statements each committed on its own), once
+    more on a new connection when the kept one turns out dead at the request's first use.
+
+    Django checks a kept connection with a `SELECT 1` before each request's first statement
+    (CONN_HEALTH_CHECKS): a round trip per request for a connection that is nearly always
+    alive. Here the request's own first statement is the check, and a connection found dead
+    (the server restarted, a proxy dropped it) is replaced and the action run again, which is
+    safe: nothing of a dead connection's open transaction was committed, and the actions are
+    idempotent (a lost commit's answer is read back by the second run). A failure on a fresh
+    or already used connection is the database's trouble and is raised."""
+    wrapper: Any = connection  # Django's health-check flags are not in its stubs
+    unchecked = (
+        wrapper.connection is not None
+        and wrapper.health_check_enabled
+        and not wrapper.health_check_done
+    )
+    if not unchecked:
+        return action()
+    wrapper.health_check_done = True
+    kept = connection.connection  # Django may have opened another by the time it raises
+    try:
+        return action()
+    except (OperationalError, InterfaceError):
+        # psycopg's connection says whether it died; SQLite's has no such state: raise.
+        if not getattr(kept, "closed", False) and not getattr(kept, "broken", False):
+            raise
+        connection.close()
+        log.info("uwpx.database_reconnected")
+        return action()
+
+
+# --- the statements ------------------------------------------------------------------------------
+
+APP_FIELDS = ("id", "tenant_id", "public_key", "wns_channel_hosts")
+APP_SQL = (
+    f"SELECT a.id, a.tenant_id, a.public_key, a.wns_channel_hosts, t.suspended"
+    f" FROM {App._meta.db_table} a JOIN {Tenant._meta.db_table} t ON t.id = a.tenant_id"
+    f" WHERE a.public_key = %s"
+)
+DEVICES = WnsDevice._meta.db_table
+REGISTRATIONS = Registration._meta.db_table
+COMPONENTS = Component._meta.db_table
+# The app kept by app_for_key is still its row as it is: id, tenant, key, channel hosts, and
+# its tenant not suspended (params: app_params). Part of each action's first statement.
+CURRENT = (
+    f"EXISTS (SELECT 1 FROM {App._meta.db_table} ca JOIN {Tenant._meta.db_table} ct"
+    f" ON ct.id = ca.tenant_id WHERE ca.id = %s AND ca.tenant_id = %s AND ca.public_key = %s"
+    f" AND ca.wns_channel_hosts = %s AND NOT ct.suspended)"
+)
+# Creates the device unless it exists or the app changed (then nothing: no row returned).
+NEW_DEVICE_SQL = (
+    f"INSERT INTO {DEVICES} (app_id, device_id_hash, channel_uri, created, updated)"
+    f" SELECT %s, %s, %s, %s, %s WHERE {CURRENT}"
+    f" ON CONFLICT (app_id, device_id_hash) DO NOTHING RETURNING id"
+)
+# Locks the device row until commit (an UPDATE does, on both databases) and records the sign
+# of life; the push component comes along in the same statement.
+TOUCH_DEVICE_SQL = (
+    f"UPDATE {DEVICES} SET updated = %s WHERE app_id = %s AND device_id_hash = %s"
+    f" AND {CURRENT}"
+    f" RETURNING id, channel_uri, device_id_hash,"
+    f" (SELECT c.id FROM {COMPONENTS} c WHERE c.app_id = %s AND c.enabled = %s"
+    f"  ORDER BY c.id LIMIT 1) AS push_component_id,"
+    f" (SELECT c.jid FROM {COMPONENTS} c WHERE c.app_id = %s AND c.enabled = %s"
+    f"  ORDER BY c.id LIMIT 1) AS push_component_jid"
+)
+SET_CHANNEL_SQL = (
+    f"UPDATE {DEVICES} SET channel_uri = %s, updated = %s"
+    f" WHERE app_id = %s AND device_id_hash = %s AND {CURRENT} RETURNING id"
+)
+MINE_SQL = (
+    f"SELECT id, device_hash, node, secret, account_domain, token, dead_since, component_id"
+    f" FROM {REGISTRATIONS} WHERE wns_device_id = %s"
+)
+# PostgreSQL: touching the device and reading its registrations in one statement.
+TOUCH_AND_READ_SQL = (
+    f"WITH d AS ({TOUCH_DEVICE_SQL})"
+    f" SELECT d.*, r.id, r.device_hash, r.node, r.secret, r.account_domain, r.token,"
+    f" r.dead_since, r.component_id"
+    f" FROM d LEFT JOIN {REGISTRATIONS} r ON r.wns_device_id = d.id"
+)
+# Renews only the rows still as they were read (same token, alive): a renewal without a
+# lifecycle event; the others (changed meanwhile by a worker) go through lifecycle.
+RENEW_SQL = (
+    f"UPDATE {REGISTRATIONS} SET component_id = %s, token = %s, dead_since = NULL,"
+    f" updated = %s WHERE token = %s AND dead_since IS NULL AND id IN {{ids}} RETURNING id"
+)
+INSERT_REGISTRATIONS_SQL = (
+    f"INSERT INTO {REGISTRATIONS} (app_id, component_id, service, wns_device_id, device_hash,"
+    f" room_hash, account_domain, token, node, secret, created, updated) VALUES {{rows}}"
+    f" RETURNING device_hash, id"
+)
+TAKEN_SQL = (
+    f"SELECT device_hash FROM {REGISTRATIONS} WHERE app_id = %s AND service = %s"
+    f" AND room_hash = '' AND (wns_device_id IS NULL OR wns_device_id <> %s)"
+    f" AND device_hash IN "
+)
+
+
+def fetchall(sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Run one statement on Django's connection (in its transaction, if any): its rows.
+
+    On PostgreSQL as a prepared statement of the psycopg connection underneath: Django binds
+    parameters on the client, so the server parsed and planned every statement of every
+    request again. Errors come out as Django's (IntegrityError and the rest), as from any
+    query, and the connection is health-checked first, as Django's cursor() does."""
+    if connection.vendor != "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchall() if cursor.description is not None else []
+    import psycopg
+
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    raw = connection.connection
+    if raw.prepare_threshold is None:
+        # Django turns preparing off (None), which also ignores prepare=True; a threshold no
+        # query reaches keeps Django's own queries unprepared and lets these be prepared.
+        raw.prepare_threshold = 2**31
+    with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
+        cursor.execute(sql, params, prepare=True)
+        return cursor.fetchall() if cursor.description is not None else []
+
+
+def fetchone(sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
+    rows = fetchall(sql, params)
+    return rows[0] if rows else None
+
+
+def insert_registrations(new: list[Registration], *, at: object) -> None:
+    """One multi-row INSERT (cheaper than bulk_create building it)."""
+    params: list[object] = []
+    for reg in new:
+        params += [reg.app_id, reg.component_id, reg.service, reg.wns_device_id]
+        params += [reg.device_hash, reg.room_hash, reg.account_domain, reg.token]
+        params += [reg.node, reg.secret, at, at]
+    rows = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(new))
+    ids = dict(fetchall(INSERT_REGISTRATIONS_SQL.format(rows=rows), params))
+    for reg in new:
+        reg.pk = ids[reg.device_hash]
+        reg._state.adding = False
+
+
+def placeholders(count: int) -> str:
+    return "(" + ", ".join(["%s"] * count) + ")"
+
+
+def db_time(value: datetime) -> object:
+    return connection.ops.adapt_datetimefield_value(value)
