@@ -16,7 +16,8 @@ A message is never acknowledged while what it carries exists nowhere else:
 - the database does not answer after the sends (RecordPending): their bookkeeping goes to the
   broker as a relay.record_outcomes message, retried the same way;
 - the broker does not take either: the message is rejected with requeue, and if the broker
-  is away for that too, it stays unacknowledged in the broker, where the dead lease is found.
+  is away for that too, it stays unacknowledged in the broker, which redelivers it once the
+  connection it was delivered on is gone.
 
 Celery's own retry turns a failed publish into a reject WITHOUT requeue; `_defer` catches that.
 
