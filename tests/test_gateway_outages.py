@@ -63,7 +63,11 @@ def test_broker_outage_answers_wait_and_recovers(transactional_db):
         component=component, service=Service.FCM, bare_jid="a@localhost", device_id="d", token="t"
     )
     broker.purge()
-    gateway = start_gateway(CELERY_BROKER_URL=broker.through(proxy.port))
+    # Every publish a send of its own (no coalescing, which keeps a repeat in the database):
+    # each one needs the broker.
+    gateway = start_gateway(
+        CELERY_BROKER_URL=broker.through(proxy.port), RELAY_COALESCE_SECONDS="0"
+    )
     try:
         server.wait_connected(gateway=gateway)
         lab = Lab(server, gateway, component, registration)
