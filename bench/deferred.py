@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="fresh publishing per phase")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--sweep-batch", type=int, default=500)
+    parser.add_argument("--sweep-batch", type=int, default=200)
     parser.add_argument("--sweep-seconds", type=float, default=1.0)
     args = parser.parse_args()
 

@@ -631,7 +631,7 @@ class Environment(BaseSettings):
         "between tenants, so a provider's backlog never floods the queue of fresh pushes.",
         group=Group.WORKERS,
     )
-    deferred_sweep_batch: int = var("RELAY_DEFERRED_SWEEP_BATCH", 500, "", group=Group.WORKERS)
+    deferred_sweep_batch: int = var("RELAY_DEFERRED_SWEEP_BATCH", 200, "", group=Group.WORKERS)
     deferred_queue_limit: int = var(
         "RELAY_DEFERRED_QUEUE_LIMIT",
         20,

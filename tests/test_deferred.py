@@ -4,10 +4,12 @@ broker is down, and one tenant's backlog never takes another tenant's share of a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +21,7 @@ from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from pushsite.celery import app as celery_app
-from relay import amqp_publisher, tasks
+from relay import tasks
 from relay.models import App, DeferredSend, Delivery, Registration, Service, Tenant
 from relay.providers.base import Outcome
 from relay.services import deferred, delivery, observability, queue, throttling
@@ -27,6 +29,7 @@ from relay.services import provider_registry as registry
 from tests.fakes.fcm import FakeFcm
 from tests.support.broker import queued_jobs_with_eta
 from tests.support.deferred import deferred_jobs
+from tests.support.ports import free_port
 from tests.support.provider_fakes import configure_fcm
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
@@ -131,6 +134,32 @@ def test_a_provider_retry_writes_a_row_and_no_countdown(component, fcm_app):
     assert counter("relay_deferred_sends_written_total") == before + 1
 
 
+def test_a_retry_the_database_could_not_keep_travels_with_the_bookkeeping(
+    component, fcm_app, monkeypatch
+):
+    """The database goes away after the sends: the deferral is part of the bookkeeping the
+    task queues as relay.record_outcomes, and becomes its row once that message is run."""
+    registration = make_registration(component.app, 10)
+    fcm_app.respond(registration.token, 503)
+    job = job_for(registration)
+    real_record = delivery.record
+
+    def database_gone(book: delivery.Bookkeeping) -> None:
+        raise delivery.DatabaseUnavailable("OperationalError")
+
+    monkeypatch.setattr(delivery, "record", database_gone)
+    with pytest.raises(delivery.RecordPending) as pending:
+        delivery.deliver_many([job])
+    monkeypatch.setattr(delivery, "record", real_record)
+    assert DeferredSend.objects.count() == 0
+    [row] = pending.value.bookkeeping.deferred
+    assert row["push_id"] == job.push_id and row["job"]["attempt"] == 2
+    # What relay.record_outcomes does with the message once the database is back.
+    assert tasks.record_outcomes(pending.value.bookkeeping.to_message()) == 0
+    [kept] = deferred_jobs()
+    assert kept.job["push_id"] == job.push_id
+
+
 def test_the_sweep_queues_a_send_once_due_and_it_is_delivered(component, fcm_app):
     registration = make_registration(component.app, 2)
     later = defer(registration, delay=3600)
@@ -208,19 +237,34 @@ def _crash_on_delete(crash: Any) -> Any:
     return filter_
 
 
-def test_rows_stay_while_the_broker_is_down(component, fcm_app, monkeypatch):
+@contextlib.contextmanager
+def broker_at(url: str) -> Iterator[None]:
+    """This process's Celery app publishing to `url` (its connection pools dropped, as
+    tests/test_embedded_broker.py does), and back."""
+
+    def reconnect() -> None:
+        celery_app._pool = None
+        celery_app.amqp._producer_pool = None
+
+    with pytest.MonkeyPatch.context() as patch:
+        # Celery reads CELERY_BROKER_URL from the environment before its configuration.
+        patch.setenv("CELERY_BROKER_URL", url)
+        patch.setitem(celery_app.conf, "broker_url", url)
+        reconnect()
+        try:
+            yield
+        finally:
+            reconnect()
+
+
+def test_rows_stay_while_the_broker_is_down(component, fcm_app):
+    """The broker does not answer (a real connection refused: nothing listens on its port):
+    the sweep publishes nothing, deletes nothing, and says so; once the broker is back every
+    row goes out, none twice."""
     registration = make_registration(component.app, 5)
     jobs = [defer(registration) for _ in range(3)]
     before = counter("relay_deferred_sweep_failures_total")
-
-    def broker_down(*args: object, **kwargs: object) -> None:
-        raise OSError("connection refused")
-
-    with monkeypatch.context() as patched:
-        # Both ways a message reaches the broker: Celery's, and the confirmed direct write on
-        # RabbitMQ.
-        patched.setattr(celery_app, "send_task", broker_down)
-        patched.setattr(amqp_publisher.ConfirmedPublisher, "publish", broker_down)
+    with broker_at(f"amqp://guest:guest@127.0.0.1:{free_port()}//"):
         assert tasks.sweep_deferred_sends() == 0
         with pytest.raises(queue.QueueUnavailable):
             deferred.sweep()

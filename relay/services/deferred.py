@@ -44,8 +44,10 @@ from relay.services import queue
 
 log = logging.getLogger(__name__)
 
-# Jobs per broker message when a sweep publishes an app's due sends.
-MESSAGE_JOBS = 100
+# Jobs per broker message when a sweep publishes an app's due sends: few, because a worker
+# prefetches messages and runs them in order; a fresh push taken after a few of the backlog's
+# messages must not wait for hundreds of its sends.
+MESSAGE_JOBS = 10
 
 
 def row(
