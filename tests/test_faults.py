@@ -485,12 +485,14 @@ def run_stream_with_fault(lab: Lab, tenant: Tenant, fault: Any) -> float:
     return back_at
 
 
-def check(result: Report, lab: Lab, *, answered: int = PUBLISHES // 3) -> None:
+def check(
+    result: Report, lab: Lab, *, answered: int = PUBLISHES // 3, recovery: float = 30.0
+) -> None:
     print(result.line())
     assert result.answered_result >= answered, result.line()
     assert result.lost == 0, f"{result.line()}\n{lab.close()}"
     assert result.without_delivery_row == 0, result.line()
-    assert result.recovery_seconds < 30, result.line()
+    assert result.recovery_seconds < recovery, result.line()
 
 
 # --- the faults
@@ -717,7 +719,9 @@ def test_a_cluster_node_lost_with_its_disk_loses_no_push(
     back_at = run_stream_with_fault(lab, tenant, lose_a_host)
     result = report(lab, tenant, "cluster node SIGKILL + data deleted", back_at)
     print(f"replacing the node took {replaced[0]:.1f} s")
-    check(result, lab)
+    # Counted from the kill: the workers fail over and the queue elects a new leader while the
+    # node is being replaced (14-19 s measured at load 20).
+    check(result, lab, recovery=60.0)
     status = cluster.nodes[1].ctl("quorum_status", SEND_QUEUE, tool="rabbitmq-queues")
     assert cluster.nodes[0].node in status, status  # the new node holds a replica again
 
