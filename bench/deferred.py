@@ -98,6 +98,12 @@ def server_pids(database_url: str, broker_url: str) -> dict[str, int]:
         import redis
 
         found["broker"] = int(redis.Redis.from_url(broker_url).info("server")["process_id"])
+    elif broker_url.startswith(("amqp://", "pyamqp://")):
+        from urllib.parse import urlsplit
+
+        from bench.relay import listening_pid
+
+        found["broker"] = listening_pid(urlsplit(broker_url.split(";")[0]).port or 5672)
     return found
 
 
@@ -175,7 +181,7 @@ def main() -> None:
     args = parser.parse_args()
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-    broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
+    broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
     os.environ.update(
         {
             "DATABASE_URL": prepare_database(admin_url, BENCH_DB),

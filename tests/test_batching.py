@@ -17,7 +17,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from pushsite.celery import app as celery_app
-from relay import redis_broker, tasks
+from relay import amqp_publisher, tasks
 from relay.models import App, DeadLetter, Delivery, Registration, Service
 from relay.providers.base import Outcome, SendResult, Wakeup, send_each
 from relay.providers.fcm import FcmConfig, FcmProvider
@@ -26,7 +26,7 @@ from relay.services import delivery, queue, throttling
 from relay.services import provider_registry as registry
 from relay.services.publishing import Publish, Verdict, accept_publishes
 from tests.fakes.fcm import FakeFcm
-from tests.support.broker import QUEUE
+from tests.support.broker import queued_jobs_with_eta
 from tests.support.deferred import deferred_jobs
 from tests.support.provider_fakes import configure_fcm
 from xmppgateway.gateway import PublishBatcher
@@ -44,28 +44,7 @@ class Message:
 
 def take_messages() -> list[Message]:
     """Every message waiting in the send queue, with its task name and ETA (consumed)."""
-    found: list[Message] = []
-    with celery_app.connection_for_read() as conn:
-        simple = conn.SimpleQueue(QUEUE)
-        try:
-            while True:
-                try:
-                    message = simple.get(block=False)
-                except simple.Empty:
-                    break
-                args, _kwargs, _embed = message.decode()
-                eta = message.headers.get("eta")
-                found.append(
-                    Message(
-                        message.headers["task"],
-                        args[0],
-                        datetime.fromisoformat(eta) if eta else None,
-                    )
-                )
-                message.ack()
-        finally:
-            simple.close()
-    return found
+    return [Message(queued.task, queued.job, queued.eta) for queued in queued_jobs_with_eta()]
 
 
 def relay_settings(**changes: object) -> override_settings:
@@ -196,9 +175,10 @@ def test_a_batch_the_broker_refuses_answers_all_wait_and_queues_nothing(
         raise OSError("connection refused")
 
     with monkeypatch.context() as patched:
-        # Both ways a message reaches the broker: Celery's, and the direct write on Redis.
+        # Both ways a message reaches the broker: Celery's, and the confirmed direct write on
+        # RabbitMQ.
         patched.setattr(celery_app, "send_task", broker_down)
-        patched.setattr(redis_broker.TaskPublisher, "publish", broker_down)
+        patched.setattr(amqp_publisher.ConfirmedPublisher, "publish", broker_down)
         verdicts = accept_publishes(
             [
                 publish_for(first),

@@ -27,7 +27,7 @@ from relay.providers.base import Outcome
 from relay.services import deferred, delivery, observability, queue, throttling
 from relay.services import provider_registry as registry
 from tests.fakes.fcm import FakeFcm
-from tests.support.broker import QUEUE
+from tests.support.broker import queued_jobs_with_eta
 from tests.support.deferred import deferred_jobs
 from tests.support.ports import free_port
 from tests.support.provider_fakes import configure_fcm
@@ -49,20 +49,9 @@ class Message:
 def take_messages() -> list[Message]:
     """Every message waiting in the send queue (consumed), as a worker would decode it."""
     found: list[Message] = []
-    with celery_app.connection_for_read() as conn:
-        simple = conn.SimpleQueue(QUEUE)
-        try:
-            while True:
-                try:
-                    message = simple.get(block=False)
-                except simple.Empty:
-                    break
-                args, _kwargs, _embed = message.decode()
-                jobs = args[0] if isinstance(args[0], list) else [args[0]]
-                found.append(Message(message.headers["task"], jobs, message.headers.get("eta")))
-                message.ack()
-        finally:
-            simple.close()
+    for queued in queued_jobs_with_eta():
+        jobs = queued.job if isinstance(queued.job, list) else [queued.job]
+        found.append(Message(queued.task, jobs, queued.eta.isoformat() if queued.eta else None))
     return found
 
 
@@ -275,7 +264,7 @@ def test_rows_stay_while_the_broker_is_down(component, fcm_app):
     registration = make_registration(component.app, 5)
     jobs = [defer(registration) for _ in range(3)]
     before = counter("relay_deferred_sweep_failures_total")
-    with broker_at(f"redis://127.0.0.1:{free_port()}/0"):
+    with broker_at(f"amqp://guest:guest@127.0.0.1:{free_port()}//"):
         assert tasks.sweep_deferred_sends() == 0
         with pytest.raises(queue.QueueUnavailable):
             deferred.sweep()

@@ -38,8 +38,8 @@ def relay_settings(**changes: object) -> override_settings:
 def store(request, tmp_path):
     """A fresh store of each kind, as the module-level functions see it."""
     if request.param == "redis":
-        url = settings.CELERY_BROKER_URL
-        assert url.startswith("redis://"), "the Redis store needs CELERY_BROKER_URL=redis://"
+        url = settings.RELAY["STATE_URL"]
+        assert url.startswith("redis://"), "the Redis store needs RELAY_STATE_URL=redis://"
     else:
         url = f"sqlite:///{tmp_path / 'state.sqlite3'}"
     with relay_settings(STATE_URL=url):
@@ -200,10 +200,10 @@ def test_coalescing_sends_once_then_folds_into_one_delayed_send(store):
 
 @pytest.fixture
 def redis_store():
-    with relay_settings(STATE_URL=settings.CELERY_BROKER_URL):
+    with relay_settings(STATE_URL=settings.RELAY["STATE_URL"]):
         throttling.reset()
         store = throttling._store()
-        assert isinstance(store, RedisStore), "needs CELERY_BROKER_URL=redis://"
+        assert isinstance(store, RedisStore), "needs RELAY_STATE_URL=redis://"
         yield store
         throttling.reset()
 

@@ -575,6 +575,27 @@ def _bookkeeping(*, durable: bool) -> Iterator[None]:
         yield
 
 
+def bury(jobs: list[queue.SendJob], reason: str) -> int:
+    """Keep jobs the broker gave up on (past its delivery limit) as dead letters, durably;
+    returns how many. A job whose registration is gone has nothing left to send to."""
+    registrations = Registration.objects.select_related("app").in_bulk(
+        [job.registration_id for job in jobs]
+    )
+    letters = [
+        _dead_letter(registrations[job.registration_id], job, reason)
+        for job in jobs
+        if job.registration_id in registrations
+    ]
+    with _bookkeeping(durable=True):
+        DeadLetter.objects.bulk_create(
+            [DeadLetter(**letter, replayed=None) for letter in letters],
+            update_conflicts=True,
+            unique_fields=["push_id"],
+            update_fields=[*DEAD_LETTER_FIELDS, "replayed"],
+        )
+    return len(letters)
+
+
 def _dead_letter(registration: Registration, job: queue.SendJob, reason: str) -> dict[str, Any]:
     """Keep the job (it holds no token, JID or body) for a replay with the same push id."""
     log.warning(

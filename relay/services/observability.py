@@ -21,8 +21,6 @@ from relay.services import deferred
 
 log = logging.getLogger(__name__)
 
-QUEUE = "celery"  # Celery's default queue: every send task goes there
-
 
 def _app_names() -> dict[int, tuple[str, str]]:
     return {
@@ -116,8 +114,12 @@ def queue_depth() -> int:
         conn.ensure_connection(max_retries=1, timeout=2)
         channel = conn.default_channel
         try:
-            return int(channel.queue_declare(queue=QUEUE, passive=True).message_count)
-        except ChannelError:  # Redis: an empty queue does not exist
+            return int(
+                channel.queue_declare(
+                    queue=celery_app.conf.task_default_queue, passive=True
+                ).message_count
+            )
+        except ChannelError:  # the queue does not exist yet: nothing was ever sent
             return 0
 
 
@@ -142,10 +144,10 @@ def read_state() -> list[Metric]:
         family = GaugeMetricFamily(
             "relay_queue_depth", "Messages waiting in the broker's queue.", labels=["queue"]
         )
-        family.add_metric([QUEUE], depth)
+        family.add_metric([celery_app.conf.task_default_queue], depth)
         families.append(family)
         up.add_metric(["broker"], 1)
-    except Exception as error:  # kombu, redis and socket errors: the broker is unreachable
+    except Exception as error:  # kombu, amqp and socket errors: the broker is unreachable
         log.warning("metrics.broker_unavailable", extra={"error_type": type(error).__name__})
         up.add_metric(["broker"], 0)
     families.append(up)

@@ -151,9 +151,13 @@ def start_gateway(**env: str) -> ServiceProcess:
 def worker_argv(
     *, concurrency: int = 4, loglevel: str = "INFO", pool: str = "threads"
 ) -> list[str]:
-    """The command line of one of our Celery workers (tests and benchmarks use the same)."""
+    """The command line of one of our Celery workers (tests and benchmarks use the same). Each
+    has a node name of its own: RabbitMQ lets one worker per name hold its control queue."""
+    import uuid
+
     return [
         sys.executable, "-m", "celery", "-A", "pushsite", "worker",
+        "--hostname", f"worker-{uuid.uuid4().hex[:8]}@%h",
         "--pool", pool, "--concurrency", str(concurrency), "--loglevel", loglevel,
         "--without-heartbeat", "--without-gossip", "--without-mingle",
     ]  # fmt: skip
