@@ -257,7 +257,9 @@ def test_an_outage_answers_wait_and_ejabberd_keeps_the_registration(
     else:
         url = urlsplit(settings.CELERY_BROKER_URL)
         proxy = _through((url.hostname or "127.0.0.1", url.port or 5672))
-        env = {"CELERY_BROKER_URL": broker.through(proxy.port)}
+        # Every publish a send of its own: without coalescing, none waits for beat's sweep
+        # (which this test does not run) as a deferred row.
+        env = {"CELERY_BROKER_URL": broker.through(proxy.port), "RELAY_COALESCE_SECONDS": "0"}
     try:
         relay = relay_on(ejabberd, **env)
         phone = xmpp_client_factory(ejabberd, "phone")
@@ -281,7 +283,10 @@ def test_an_outage_answers_wait_and_ejabberd_keeps_the_registration(
                 return bool(relay.fake.wait_for_requests(1, timeout=5))
             return False
 
-        wait_until(reached_the_provider, what="a message after the outage reaches FCM")
+        wait_until(
+            reached_the_provider,
+            what=lambda: f"a message after the outage reaches FCM\n{relay.gateway.log_tail()}",
+        )
         assert {request.token for request in relay.fake.requests} == {token}
     finally:
         proxy.close()
