@@ -6,14 +6,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The suite runs on PostgreSQL and Redis (as CI must), then the embedded defaults again.
-# Unless TEST_DATABASE_URL / TEST_BROKER_URL (and TEST_CACHE_URL) name servers to use, the
-# session starts a private PostgreSQL and Redis on free ports (tests/support/services.py), so
-# nothing needs to run beforehand and two runs on one machine never share a database.
-export TEST_DATABASE_URL TEST_BROKER_URL TEST_CACHE_URL
+# The suite runs on PostgreSQL, RabbitMQ and Redis (as CI must), then the embedded defaults
+# again. Unless TEST_DATABASE_URL / TEST_BROKER_URL / TEST_STATE_URL (and TEST_CACHE_URL) name
+# servers to use, the session starts a private PostgreSQL, RabbitMQ and Redis on free ports
+# (tests/support/services.py), so nothing needs to run beforehand and two runs on one machine
+# never share a database or a broker.
+export TEST_DATABASE_URL TEST_BROKER_URL TEST_STATE_URL TEST_CACHE_URL
 WITH_SERVICES := $(BIN)/python -m tests.support.services --
-SYSTEM_PACKAGES := python3-venv postgresql redis-server prosody prosody-modules lua-unbound ejabberd nginx \
-	chromium chromium-driver libpostgresql-jdbc-java systemd openjdk-17-jre-headless
+SYSTEM_PACKAGES := python3-venv postgresql redis-server rabbitmq-server prosody prosody-modules lua-unbound ejabberd nginx \
+	chromium chromium-driver libpostgresql-jdbc-java systemd openjdk-17-jre-headless prometheus
 
 .PHONY: run test test-postgres test-defaults test-durations lint bench system-deps venv migrate clean
 
@@ -66,10 +67,10 @@ lint: $(STAMP)
 SUITE_POSTGRES = VAR_DIR=$$(mktemp -d) $(WITH_SERVICES) $(BIN)/python -m pytest -m "not embedded" $(PYTEST_ARGS)
 SUITE_DEFAULTS = env -u DATABASE_URL -u CELERY_BROKER_URL -u CACHE_URL -u RELAY_STATE_URL \
 	VAR_DIR=$$(mktemp -d) $(BIN)/python -m pytest -m defaults $(PYTEST_ARGS)
-# Servers named in TEST_DATABASE_URL / TEST_BROKER_URL would be shared by the slices (one test
-# database, one broker queue): then the PostgreSQL suite runs as one job.
+# Servers named in TEST_DATABASE_URL / TEST_BROKER_URL / TEST_STATE_URL would be shared by
+# the slices (one test database, one broker queue): then the PostgreSQL suite runs as one job.
 SLICES := 3
-ifeq ($(TEST_DATABASE_URL)$(TEST_BROKER_URL),)
+ifeq ($(TEST_DATABASE_URL)$(TEST_BROKER_URL)$(TEST_STATE_URL),)
 POSTGRES_JOBS = $(foreach k,$(shell seq $(SLICES)),--job postgres-$(k) \
 	'TEST_DURATIONS_OUT=var/test-logs/durations-postgres-$(k).json $(SUITE_POSTGRES) --shard $(k)/$(SLICES)')
 else
@@ -97,7 +98,6 @@ bench: $(STAMP)
 	$(WITH_SERVICES) $(BIN)/python bench/providers.py
 	$(WITH_SERVICES) $(BIN)/python bench/api.py
 	$(WITH_SERVICES) $(BIN)/python bench/hostile.py
-	$(WITH_SERVICES) $(BIN)/python bench/broker_window.py
 	$(WITH_SERVICES) $(BIN)/python bench/analytics.py
 	$(WITH_SERVICES) $(BIN)/python bench/unifiedpush.py
 

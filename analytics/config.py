@@ -1,5 +1,9 @@
 """What a report run needs, from the environment and the command line; no Django here.
 
+The ANALYTICS_* variables (and DATABASE_URL, VAR_DIR) are read through relay.environment,
+the one typed declaration of every setting (Django-free; the import contracts let analytics
+import it).
+
 The job runs under `manage.py run_reports`, under `spark-submit` on a cluster, or from the
 Celery beat task: all three hand it the same arguments and environment.
 """
@@ -15,6 +19,9 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import psycopg
+from pydantic import ValidationError
+
+from relay.environment import Environment
 
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"  # Debian: libpostgresql-jdbc-java
 JDBC_DRIVER = "org.postgresql.Driver"
@@ -128,6 +135,7 @@ class JobConfig:
     jdbc_jar: str = DEFAULT_JDBC_JAR
     driver_memory: str = "2g"
     rows_per_partition: int = 500_000
+    shuffle_partitions: int = 4
     top_domains: int = 10
     min_sends_for_failure_rank: int = 10
     thresholds: Thresholds = Thresholds()
@@ -165,53 +173,57 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _env_float(env: dict[str, str], name: str, default: float) -> float:
-    value = env.get(name, "").strip()
+def settings_of(env: dict[str, str]) -> Environment:
+    """The relay's typed settings (relay.environment, where every variable is declared) from
+    `env`; empty values count as unset. A value of the wrong type is a ConfigError naming it."""
     try:
-        return float(value) if value else default
-    except ValueError:
-        raise ConfigError(f"{name} must be a number, not {value!r}") from None
+        return Environment.model_validate({k: v for k, v in env.items() if v.strip()})
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
+            for problem in error.errors()
+        )
+        raise ConfigError(f"bad setting: {problems}") from None
 
 
 def from_args(argv: list[str] | None = None, env: dict[str, str] | None = None) -> JobConfig:
     env = dict(os.environ if env is None else env)
     args = parser().parse_args(argv)
+    settings = settings_of(env)
     today = datetime.now(UTC).date()
     since = args.since or today - timedelta(days=1)
     until = args.until or max(today, since)
     if until < since:
         raise ConfigError(f"--until {until} is before --since {since}")
-    primary_url = env.get("DATABASE_URL", "")
-    source_url = env.get("ANALYTICS_DATABASE_URL", "") or primary_url
+    primary_url = settings.database_url
+    source_url = settings.analytics_database_url or primary_url
     if not source_url:
         raise ConfigError("set ANALYTICS_DATABASE_URL (the read replica) or DATABASE_URL")
-    var_dir = Path(env.get("VAR_DIR", "var"))
+    var_dir = settings.var_dir
     primary = None
     if primary_url and not args.no_load:
         primary = Database.from_url(primary_url, setting="DATABASE_URL")
     return JobConfig(
         source=Database.from_url(
             source_url,
-            setting="ANALYTICS_DATABASE_URL"
-            if env.get("ANALYTICS_DATABASE_URL")
-            else "DATABASE_URL",
+            setting="ANALYTICS_DATABASE_URL" if settings.analytics_database_url else "DATABASE_URL",
         ),
         primary=primary,
-        output=args.output or env.get("ANALYTICS_OUTPUT") or str((var_dir / "reports").resolve()),
+        output=args.output or settings.analytics_output or str((var_dir / "reports").resolve()),
         export_dir=Path(
-            args.export_dir or env.get("ANALYTICS_EXPORT_DIR") or var_dir / "reports-export"
+            args.export_dir or settings.analytics_export_dir or var_dir / "reports-export"
         ),
         since=since,
         until=until,
-        master=args.master or env.get("ANALYTICS_SPARK_MASTER") or None,
-        jdbc_jar=env.get("ANALYTICS_JDBC_JAR", DEFAULT_JDBC_JAR),
-        driver_memory=env.get("ANALYTICS_DRIVER_MEMORY", "2g"),
-        rows_per_partition=args.rows_per_partition
-        or int(env.get("ANALYTICS_ROWS_PER_PARTITION", "") or 500_000),
+        master=args.master or settings.analytics_spark_master or None,
+        jdbc_jar=settings.analytics_jdbc_jar,
+        driver_memory=settings.analytics_driver_memory,
+        rows_per_partition=args.rows_per_partition or settings.analytics_rows_per_partition,
+        shuffle_partitions=settings.analytics_shuffle_partitions,
         thresholds=Thresholds(
-            volume_change=_env_float(env, "ANALYTICS_VOLUME_CHANGE", 1.0),
-            failure_rate_change=_env_float(env, "ANALYTICS_FAILURE_RATE_CHANGE", 0.1),
-            min_volume=int(_env_float(env, "ANALYTICS_MIN_VOLUME", 50)),
+            volume_change=settings.analytics_volume_change,
+            failure_rate_change=settings.analytics_failure_rate_change,
+            min_volume=settings.analytics_min_volume,
         ),
         force=args.force,
         today=today,

@@ -1,5 +1,6 @@
 """The monthly usage export per tenant: one CSV per tenant and month, the figures a hosting
-provider bills on (publishes received, pushes sent and delivered, live registrations).
+provider bills on (publishes received, pushes sent and delivered, live registrations; for
+UnifiedPush, provider `up`: messages received, delivered, and the body bytes relayed).
 
 Every tenant gets its file, with zeros when it had no activity (a bill is never missing), and
 each file says what it covers: the days the report runs covered, and `partial` when it was
@@ -33,10 +34,11 @@ COLUMNS = (
     "rate_limited",
     "coalesced",
     "refused",
+    "bytes_relayed",
     "registrations_peak",
     "registrations_at_month_end",
 )
-_SUMMED = COLUMNS[8:16]
+_SUMMED = COLUMNS[COLUMNS.index("publishes_received") : COLUMNS.index("registrations_peak")]
 
 
 def month_bounds(day: date) -> tuple[date, date]:

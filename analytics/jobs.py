@@ -48,7 +48,7 @@ from analytics import exports, report_page, reports, sources, store, writer
 from analytics.config import ConfigError, Database, JobConfig, from_args
 
 # Part of every fingerprint: a change to how reports are computed invalidates stored days.
-JOB_VERSION = "1"
+JOB_VERSION = "2"
 
 # Seconds to wait for each database before Spark starts (libpq's minimum is 2).
 CONNECT_CHECK_TIMEOUT = 5
@@ -113,7 +113,7 @@ def session(config: JobConfig) -> SparkSession:
         )
         .config("spark.ui.enabled", "false")
         .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.shuffle.partitions", os.environ.get("ANALYTICS_SHUFFLE_PARTITIONS", "4"))
+        .config("spark.sql.shuffle.partitions", str(config.shuffle_partitions))
         .config("spark.ui.showConsoleProgress", "false")
         .getOrCreate()
     )
@@ -165,7 +165,7 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
     say = steps.say
     days = config.days
     say(f"days {config.since}..{config.until} from {config.source.describe()}")
-    tenants, apps = sources.names(spark, config.source)
+    tenants, apps, components = sources.names(spark, config.source)
     stats = sources.day_stats(spark, config.source, config.since, config.until)
     pruned_through = sources.pruned_through(spark, config.source)
     current = {day: fingerprint(stats.get(day, {})) for day in days}
@@ -198,7 +198,12 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
         return summary
 
     tenant_names, app_names = _names_frames(spark, tenants, apps)
-    _compute_days(spark, config, changed, stats, summary, steps, tenant_names, app_names)
+    component_names = F.broadcast(
+        spark.createDataFrame(list(components.items()), "component_id long, component_name string")
+    )
+    _compute_days(
+        spark, config, changed, stats, summary, steps, tenant_names, app_names, component_names
+    )
     anomaly_rows = _anomalies(spark, config, open_days, set(stored) | set(changed), tenants, apps)
     steps.done(f"anomalies against the previous 7 days: {len(anomaly_rows)} found")
 
@@ -211,6 +216,7 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
                 ("relay_reportregistrations", changed, outputs["registrations"]),
                 ("relay_reportdomain", changed, outputs["top_domains"]),
                 ("relay_reporterrorcode", changed, outputs["error_codes"]),
+                ("relay_reportunifiedpush", changed, outputs["unifiedpush"]),
                 ("relay_reportanomaly", open_days, anomaly_rows),
             ],
         )
@@ -239,6 +245,7 @@ def _compute_days(
     steps: Steps,
     tenant_names: DataFrame,
     app_names: DataFrame,
+    component_names: DataFrame,
 ) -> None:
     """Read the changed days and replace them in every Parquet dataset but the anomalies."""
     expected = sum(
@@ -277,8 +284,17 @@ def _compute_days(
         _named(reports.error_codes(sums), tenant_names, app_names),
         changed,
     )
+    store.replace_days(
+        spark,
+        config.output,
+        "unifiedpush",
+        _named(reports.unifiedpush(sums), tenant_names, None)
+        .join(component_names, "component_id", "left")
+        .fillna({"component_name": ""}),
+        changed,
+    )
     sums.unpersist()
-    steps.done("publishing domains and error codes")
+    steps.done("publishing domains, error codes and UnifiedPush")
 
     registration_rows = reports.registrations(
         _rows(sources.jdbc_query(spark, config.source, sources.registration_sql(min(changed)))),
@@ -364,10 +380,14 @@ def _collect_outputs(
         "error_codes": _rows(
             _read(spark, config, "error_codes", first, last, ERROR_SCHEMA).where(wanted)
         ),
+        "unifiedpush": _rows(
+            _read(spark, config, "unifiedpush", first, last, NAMED_UNIFIEDPUSH).where(wanted)
+        ),
     }
 
 
 NAMED_USAGE = reports.USAGE_SCHEMA + ", tenant_name string, app_name string"
+NAMED_UNIFIEDPUSH = reports.UNIFIEDPUSH_SCHEMA + ", tenant_name string, component_name string"
 NAMED_REGISTRATIONS = reports.REGISTRATION_SCHEMA + ", tenant_name string, app_name string"
 NAMED_ANOMALIES = reports.ANOMALY_SCHEMA + ", tenant_name string, app_name string, detail string"
 DOMAIN_SCHEMA = (
@@ -406,6 +426,9 @@ def _write_files(
         ),
         error_rows=_rows(
             _read(spark, config, "error_codes", config.since, config.until, ERROR_SCHEMA)
+        ),
+        unifiedpush_rows=_rows(
+            _read(spark, config, "unifiedpush", config.since, config.until, NAMED_UNIFIEDPUSH)
         ),
         # The whole range's, kept days' included (they are not recomputed).
         anomaly_rows=_rows(

@@ -156,6 +156,7 @@ def render(
     domain_rows: Sequence[dict[str, Any]],
     error_rows: Sequence[dict[str, Any]],
     anomaly_rows: Sequence[dict[str, Any]],
+    unifiedpush_rows: Sequence[dict[str, Any]] = (),
 ) -> str:
     """The whole page; rows are the collected report rows with tenant and app names."""
     totals = {row["day"]: row for row in usage_rows if row["level"] == "all"}
@@ -198,6 +199,47 @@ def render(
             ]
             for name, t in sorted(per_tenant.items())
         ],
+    )
+    per_provider: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for row in usage_rows:
+        if row["level"] == "provider":
+            for key in ("publishes_received", "pushes_sent", "delivered", "failed"):
+                per_provider[(row["tenant_name"], row["provider"])][key] += row[key] or 0
+            per_provider[(row["tenant_name"], row["provider"])]["bytes_relayed"] += (
+                row.get("bytes_relayed") or 0
+            )
+    provider_table = _table(
+        ["tenant", "provider", "received", "sent", "delivered", "failed", "bytes relayed"],
+        [
+            [
+                tenant,
+                provider or "(none)",
+                t["publishes_received"],
+                t["pushes_sent"],
+                t["delivered"],
+                t["failed"],
+                t["bytes_relayed"],
+            ]
+            for (tenant, provider), t in sorted(per_provider.items())
+        ],
+    )
+    up: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    up_columns = (
+        "received",
+        "delivered",
+        "expired",
+        "revoked",
+        "replaced",
+        "withdrawn",
+        "dropped",
+        "bytes_relayed",
+    )
+    for row in unifiedpush_rows:
+        for key in up_columns:
+            up[(row["tenant_name"], row["component_name"])][key] += row[key] or 0
+    up_table = _table(
+        ["tenant", "component", *(name.replace("_", " ") for name in up_columns)],
+        [[*key, *(t[name] for name in up_columns)] for key, t in sorted(up.items())],
     )
     last = max((row["day"] for row in registration_rows), default=None)
     registrations = _table(
@@ -278,6 +320,9 @@ def render(
         f"<h2>Pushes per day</h2>{bar_chart(days, totals)}"
         f"<h2>Latency</h2>{line_chart(days, totals)}"
         f"<h2>Usage per tenant</h2>{tenant_table}"
+        f"<h2>Usage per tenant and provider</h2>{provider_table}"
+        "<h2>UnifiedPush per component</h2>"
+        f"{up_table if unifiedpush_rows else '<p>None.</p>'}"
         f"<h2>Registrations on {last or '-'}</h2>{registrations}"
         f"<h2>Top publishing domains</h2>{domains}"
         f"<h2>Provider error codes</h2>{error_table}"

@@ -15,7 +15,7 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from analytics.config import Thresholds
-from analytics.schema import COUNT_COLUMNS
+from analytics.schema import COUNT_COLUMNS, UNIFIEDPUSH, UNIFIEDPUSH_OUTCOMES
 
 ACCURACY = 10_000
 PERCENTILES = (0.5, 0.95, 0.99)
@@ -38,7 +38,16 @@ def _ratio(numerator: str, denominator: str) -> F.Column:
 
 # The key the facts are summed by once, before any report: every report's key is a part of
 # it, so the reports read this small table instead of the rows.
-FINE_KEY = ("day", "tenant_id", "app_id", "provider", "publishing_domain", "outcome", "error_code")
+FINE_KEY = (
+    "day",
+    "tenant_id",
+    "app_id",
+    "component_id",
+    "provider",
+    "publishing_domain",
+    "outcome",
+    "error_code",
+)
 
 
 def summed(facts: DataFrame) -> DataFrame:
@@ -94,9 +103,11 @@ def usage(sums: DataFrame, latencies: DataFrame) -> DataFrame:
 
 
 def domains(sums: DataFrame) -> DataFrame:
-    """Every publishing domain of every tenant and day: volume and failures."""
+    """Every publishing domain of every tenant and day: volume and failures (UnifiedPush
+    messages have no publishing domain)."""
     return (
-        sums.groupBy("day", "tenant_id", "publishing_domain")
+        sums.where(F.col("publishing_domain").isNotNull())
+        .groupBy("day", "tenant_id", "publishing_domain")
         .agg(
             F.sum("publishes_received").alias("publishes_received"),
             F.sum("pushes_sent").alias("pushes_sent"),
@@ -136,6 +147,31 @@ def error_codes(sums: DataFrame) -> DataFrame:
         sums.where(F.col("error_code") != "")
         .groupBy("day", "tenant_id", "app_id", "provider", "outcome", "error_code")
         .agg(F.sum("pushes_sent").alias("count"))
+    )
+
+
+UNIFIEDPUSH_SCHEMA = (
+    "day date, tenant_id long, component_id long, received long, "
+    + ", ".join(f"{name} long" for name in UNIFIEDPUSH_OUTCOMES)
+    + ", bytes_relayed long"
+)
+
+
+def unifiedpush(sums: DataFrame) -> DataFrame:
+    """UnifiedPush messages per day, tenant and component: received, how each ended, and the
+    body bytes handed to phones."""
+    outcomes = [
+        F.sum(F.when(F.col("outcome") == name, F.col("pushes_sent")).otherwise(0)).alias(name)
+        for name in UNIFIEDPUSH_OUTCOMES
+    ]
+    return (
+        sums.where(F.col("provider") == UNIFIEDPUSH)
+        .groupBy("day", "tenant_id", "component_id")
+        .agg(
+            F.sum("publishes_received").alias("received"),
+            *outcomes,
+            F.sum("bytes_relayed").alias("bytes_relayed"),
+        )
     )
 
 

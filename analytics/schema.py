@@ -14,4 +14,12 @@ COUNT_COLUMNS = (
     "rate_limited",
     "refused",
     "unavailable",
+    # Body bytes of the messages handed to the phone (UnifiedPush; 0 for the wake-ups).
+    "bytes_relayed",
 )
+
+# The provider value of UnifiedPush messages (the Matrix gateway's notifications included).
+UNIFIEDPUSH = "up"
+
+# How a UnifiedPush message ended (relay_unifiedpushdelivery.outcome), in report order.
+UNIFIEDPUSH_OUTCOMES = ("delivered", "expired", "revoked", "replaced", "withdrawn", "dropped")

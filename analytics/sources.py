@@ -19,7 +19,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from analytics.config import Database
-from analytics.schema import COUNT_COLUMNS
+from analytics.schema import COUNT_COLUMNS, UNIFIEDPUSH
 
 # Every source of pushes becomes rows of this shape; counts are per row (a tally row carries
 # many publishes), latency only where a provider answered a delivered push.
@@ -27,6 +27,7 @@ FACT_COLUMNS = (
     "day",
     "tenant_id",
     "app_id",
+    "component_id",
     "provider",
     "publishing_domain",
     *COUNT_COLUMNS,
@@ -68,6 +69,7 @@ def _delivery_facts(rows: DataFrame) -> DataFrame:
         F.col("day"),
         F.col("tenant_id").cast("long"),
         F.col("app_id").cast("long"),
+        F.lit(None).cast("long").alias("component_id"),
         F.col("provider"),
         F.lower(F.col("publishing_domain")).alias("publishing_domain"),
         F.lit(0).cast("long").alias("publishes_received"),
@@ -80,6 +82,7 @@ def _delivery_facts(rows: DataFrame) -> DataFrame:
         F.lit(0).cast("long").alias("rate_limited"),
         F.lit(0).cast("long").alias("refused"),
         F.lit(0).cast("long").alias("unavailable"),
+        F.lit(0).cast("long").alias("bytes_relayed"),
         # Latencies have a narrow read of their own (`read_latencies`).
         F.lit(None).cast("double").alias("latency_ms"),
         F.col("outcome"),
@@ -110,6 +113,7 @@ def _tally_facts(rows: DataFrame) -> DataFrame:
         F.to_date("minute").alias("day"),
         F.col("tenant_id").cast("long"),
         F.col("app_id").cast("long"),
+        F.lit(None).cast("long").alias("component_id"),
         F.col("provider"),
         F.col("publishing_domain"),
         count.alias("publishes_received"),
@@ -122,6 +126,7 @@ def _tally_facts(rows: DataFrame) -> DataFrame:
         when("rate-limited").alias("rate_limited"),
         when("unknown-node", "forbidden").alias("refused"),
         when("unavailable").alias("unavailable"),
+        F.lit(0).cast("long").alias("bytes_relayed"),
         F.lit(None).cast("double").alias("latency_ms"),
         F.lit("").alias("outcome"),
         F.lit("").alias("error_code"),
@@ -175,6 +180,69 @@ TALLIES = Source(
     ),
     facts=_tally_facts,
 )
+
+
+def _unifiedpush_facts(rows: DataFrame) -> DataFrame:
+    """A UnifiedPush message (a POST, or a Matrix gateway notification for one device) as a
+    push of provider `up`: received and finished once; delivered when the phone answered;
+    the other outcomes as the push counters closest to them (revoked: the phone's endpoint is
+    gone, a dead token; expired and dropped: lost, failed; replaced by a newer message with
+    its Topic: coalesced) and each by name as its `error_code`. No app: the component says
+    where it went; no publishing domain."""
+    outcome = F.col("outcome")
+    return rows.select(
+        F.col("day"),
+        F.col("tenant_id").cast("long"),
+        F.lit(None).cast("long").alias("app_id"),
+        F.col("component_id").cast("long"),
+        F.lit(UNIFIEDPUSH).alias("provider"),
+        F.lit(None).cast("string").alias("publishing_domain"),
+        F.lit(1).cast("long").alias("publishes_received"),
+        F.lit(1).cast("long").alias("pushes_sent"),
+        _count(outcome == "delivered").alias("delivered"),
+        _count(outcome == "revoked").alias("dead_tokens"),
+        _count(F.col("attempts") > 1).alias("retried"),
+        _count(outcome.isin("expired", "dropped")).alias("failed"),
+        _count(outcome == "replaced").alias("coalesced"),
+        F.lit(0).cast("long").alias("rate_limited"),
+        F.lit(0).cast("long").alias("refused"),
+        F.lit(0).cast("long").alias("unavailable"),
+        F.when(outcome == "delivered", F.col("size").cast("long"))
+        .otherwise(F.lit(0).cast("long"))
+        .alias("bytes_relayed"),
+        F.lit(None).cast("double").alias("latency_ms"),
+        outcome,
+        F.when(outcome == "delivered", F.lit("")).otherwise(outcome).alias("error_code"),
+    )
+
+
+def _unifiedpush_latencies(rows: DataFrame) -> DataFrame:
+    return rows.select(
+        F.col("day"),
+        F.col("tenant_id").cast("long"),
+        F.lit(None).cast("long").alias("app_id"),
+        F.lit(UNIFIEDPUSH).alias("provider"),
+        F.col("latency_ms"),
+    )
+
+
+# Written by the UnifiedPush app (relay.unifiedpush): one row per message once it ended,
+# never updated.
+UNIFIEDPUSH_DELIVERIES = Source(
+    name="unifiedpush",
+    table="relay_unifiedpushdelivery",
+    time_column="received",
+    checksum="sum(size) + 7 * sum(attempts)",
+    read_from="(SELECT u.*, CAST((received AT TIME ZONE 'UTC') AS date) AS day, "
+    "date_part('epoch', finished - received) * 1000 AS latency_ms "
+    "FROM relay_unifiedpushdelivery u) AS u",
+    columns=("tenant_id", "component_id", "day", "outcome", "size", "attempts"),
+    facts=_unifiedpush_facts,
+    split_days=True,
+    latency_where="outcome = 'delivered'",
+    latency_columns=("day", "tenant_id", "latency_ms"),
+    latencies=_unifiedpush_latencies,
+)
 EVENTS = Source(
     name="events",
     table="relay_registrationevent",
@@ -183,7 +251,7 @@ EVENTS = Source(
     columns=(),
     facts=None,
 )
-SOURCES: tuple[Source, ...] = (DELIVERIES, TALLIES, EVENTS)
+SOURCES: tuple[Source, ...] = (DELIVERIES, TALLIES, UNIFIEDPUSH_DELIVERIES, EVENTS)
 
 
 def day_start(day: date) -> datetime:
@@ -363,10 +431,11 @@ def read_latencies(
 
 
 FACT_SCHEMA = (
-    "day date, tenant_id long, app_id long, provider string, publishing_domain string, "
-    "publishes_received long, pushes_sent long, delivered long, dead_tokens long, "
-    "retried long, failed long, coalesced long, rate_limited long, refused long, "
-    "unavailable long, latency_ms double, outcome string, error_code string"
+    "day date, tenant_id long, app_id long, component_id long, provider string, "
+    "publishing_domain string, publishes_received long, pushes_sent long, delivered long, "
+    "dead_tokens long, retried long, failed long, coalesced long, rate_limited long, "
+    "refused long, unavailable long, bytes_relayed long, latency_ms double, outcome string, "
+    "error_code string"
 )
 
 
@@ -391,11 +460,18 @@ def registration_sql(first: date) -> str:
     )
 
 
-def names(spark: SparkSession, db: Database) -> tuple[dict[int, str], dict[int, str]]:
-    """Tenant and app names by id (small tables): the reports name what they count."""
-    tenants = jdbc_query(spark, db, "SELECT id, name FROM relay_tenant").collect()
-    apps = jdbc_query(spark, db, "SELECT id, name FROM relay_app").collect()
-    return (
-        {int(row["id"]): row["name"] for row in tenants},
-        {int(row["id"]): row["name"] for row in apps},
-    )
+def names(
+    spark: SparkSession, db: Database
+) -> tuple[dict[int, str], dict[int, str], dict[int, str]]:
+    """Tenant and app names and component JIDs (a server's, never a user's) by id (small
+    tables): the reports name what they count."""
+    found: dict[str, dict[int, str]] = {"tenant": {}, "app": {}, "component": {}}
+    for row in jdbc_query(
+        spark,
+        db,
+        "SELECT 'tenant' AS kind, id, name FROM relay_tenant UNION ALL "
+        "SELECT 'app', id, name FROM relay_app UNION ALL "
+        "SELECT 'component', id, jid FROM relay_component",
+    ).collect():
+        found[row["kind"]][int(row["id"])] = row["name"]
+    return found["tenant"], found["app"], found["component"]

@@ -15,7 +15,7 @@ from typing import Any, cast
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-DATASETS = ("usage", "registrations", "domains", "error_codes", "anomalies")
+DATASETS = ("usage", "registrations", "domains", "error_codes", "unifiedpush", "anomalies")
 FINGERPRINTS = "_fingerprints"
 
 

@@ -12,7 +12,7 @@ from datetime import date
 from typing import Any
 
 from analytics.config import Database
-from analytics.schema import COUNT_COLUMNS
+from analytics.schema import COUNT_COLUMNS, UNIFIEDPUSH_OUTCOMES
 
 # table -> columns, in the order rows are inserted (ids are the database's).
 TABLES: dict[str, tuple[str, ...]] = {
@@ -65,6 +65,16 @@ TABLES: dict[str, tuple[str, ...]] = {
         "outcome",
         "error_code",
         "count",
+    ),
+    "relay_reportunifiedpush": (
+        "day",
+        "tenant_id",
+        "tenant_name",
+        "component_id",
+        "component_name",
+        "received",
+        *UNIFIEDPUSH_OUTCOMES,
+        "bytes_relayed",
     ),
     "relay_reportanomaly": (
         "day",

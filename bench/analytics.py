@@ -1,4 +1,5 @@
-"""The Spark reports against PostgreSQL at 1M, 3M and 10M delivery records (30 days).
+"""The Spark reports against PostgreSQL at 1M, 3M and 10M delivery records (30 days), and a
+small month (about 22,000 deliveries and 17,500 tally rows).
 
 For each size, in the same run and on the same rows:
 
@@ -13,7 +14,12 @@ For each size, in the same run and on the same rows:
 Plus the cost of the publish tallies on the gateway's hot path: one upsert per batch.
 
     python -m tests.support.services -- .venv/bin/python bench/analytics.py
-    BENCH_SIZES=1000000 ...   (fewer sizes)
+    BENCH_SIZES=1000000 ...   (fewer sizes; 0: the small month only)
+    BENCH_MASTER=standalone   (a Spark standalone master and worker on this machine, from
+                               tests/support/spark_cluster.py; default local[2])
+
+Each run's progress lines (what was done and how long it took) are kept in the results: the
+profile of where a run's time goes.
 
 Prints the figures with the machine's load and writes bench/results/analytics.json.
 """
@@ -83,11 +89,11 @@ TALLIES = """
 INSERT INTO relay_publishtally (minute, tenant_id, app_id, provider, publishing_domain, verdict,
     count)
 SELECT m, t.tenant_id, t.app_id, 'fcm', 'd1.example', v, 1 + (extract(epoch from m)::bigint %% 50)
-FROM generate_series(%(start)s::timestamptz, %(end)s::timestamptz - interval '1 hour',
-                     interval '1 hour') AS m
+FROM generate_series(%(start)s::timestamptz, %(end)s::timestamptz - %(step)s::interval,
+                     %(step)s::interval) AS m
 CROSS JOIN (SELECT unnest(%(tenants)s::bigint[]) AS tenant_id,
                    unnest(%(apps)s::bigint[]) AS app_id) t
-CROSS JOIN unnest(ARRAY['accepted', 'rate-limited']) AS v
+CROSS JOIN unnest(%(verdicts)s::text[]) AS v
 """
 # The same figures the Spark job computes, by PostgreSQL itself.
 SQL_AGGREGATES = [
@@ -129,7 +135,22 @@ def at(day: date) -> datetime:
     return datetime.combine(day, datetime.min.time(), tzinfo=UTC)
 
 
-def generate(url: str, ids: list, low: int, high: int, first: date, days: int) -> float:
+# Tally rows: hourly, two verdicts per tenant (big sizes); every 30 minutes, three verdicts
+# (the small month: 17,280 rows).
+BIG_TALLIES = ("1 hour", ["accepted", "rate-limited"])
+SMALL_TALLIES = ("30 minutes", ["accepted", "rate-limited", "coalesced"])
+SMALL_MONTH_ROWS = 22_000
+
+
+def generate(
+    url: str,
+    ids: list,
+    low: int,
+    high: int,
+    first: date,
+    days: int,
+    tallies: tuple[str, list[str]] = BIG_TALLIES,
+) -> float:
     started = time.monotonic()
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
@@ -150,6 +171,8 @@ def generate(url: str, ids: list, low: int, high: int, first: date, days: int) -
                 "end": at(first + timedelta(days=days)),
                 "tenants": [row[0] for row in ids],
                 "apps": [row[1] for row in ids],
+                "step": tallies[0],
+                "verdicts": tallies[1],
             },
         )
         conn.execute("VACUUM ANALYZE relay_delivery")
@@ -219,7 +242,7 @@ print(json.dumps({{"p50_ms": times[len(times) // 2] * 1000,
     }
 
 
-def config(url: str, workdir: Path, first: date, last: date) -> JobConfig:
+def config(url: str, workdir: Path, first: date, last: date, master: str = "local[2]") -> JobConfig:
     db = Database.from_url(url, setting="DATABASE_URL")
     return JobConfig(
         source=db,
@@ -228,12 +251,12 @@ def config(url: str, workdir: Path, first: date, last: date) -> JobConfig:
         export_dir=workdir / "export",
         since=first,
         until=last,
-        master="local[2]",
+        master=master,
         driver_memory=os.environ.get("ANALYTICS_DRIVER_MEMORY", "3g"),
     )
 
 
-def bench_size(spark, admin_url: str, rows: int, workdir: Path) -> dict:
+def bench_size(spark, admin_url: str, rows: int, workdir: Path, *, small: bool = False) -> dict:
     url = prepare_database(admin_url, "bench_analytics")
     env = {
         **os.environ,
@@ -252,8 +275,9 @@ def bench_size(spark, admin_url: str, rows: int, workdir: Path) -> dict:
     ).stdout
     ids = json.loads(out.strip().splitlines()[-1])
     last = FIRST + timedelta(days=DAYS - 1)
-    result: dict = {"rows": rows, "days": DAYS}
-    result["generate_s"] = round(generate(url, ids, 1, rows, FIRST, DAYS), 2)
+    result: dict = {"rows": rows, "days": DAYS, "small_month": small}
+    tallies = SMALL_TALLIES if small else BIG_TALLIES
+    result["generate_s"] = round(generate(url, ids, 1, rows, FIRST, DAYS, tallies), 2)
 
     seconds, size = copy_out(url, FIRST, last)
     result["copy_s"] = round(seconds, 2)
@@ -261,9 +285,11 @@ def bench_size(spark, admin_url: str, rows: int, workdir: Path) -> dict:
     result["copy_mb"] = round(size / 1e6, 1)
     result["postgres_sql_aggregates_s"] = round(sql_aggregates(url, FIRST, last), 2)
 
-    cfg = config(url, workdir / f"out-{rows}", FIRST, last)
+    cfg = config(url, workdir / f"out-{rows}", FIRST, last, MASTER)
     started = time.monotonic()
-    summary = jobs.run(spark, replace(cfg, force=True), progress=print)
+    profile: list[str] = []
+    summary = jobs.run(spark, replace(cfg, force=True), progress=_kept(profile))
+    result["spark_full_profile"] = profile
     result["spark_full_s"] = round(time.monotonic() - started, 2)
     result["spark_full_rows_per_s"] = round(summary.rows_read / result["spark_full_s"])
     result["spark_partitions"] = summary.partitions
@@ -277,20 +303,35 @@ def bench_size(spark, admin_url: str, rows: int, workdir: Path) -> dict:
     # The next day arrives; the daily run covers yesterday (unchanged) and today (new).
     per_day = rows // DAYS
     new_day = last + timedelta(days=1)
-    generate(url, ids, rows + 1, rows + per_day, new_day, 1)
+    generate(url, ids, rows + 1, rows + per_day, new_day, 1, tallies)
     started = time.monotonic()
-    daily = jobs.run(spark, replace(cfg, since=last, until=new_day), progress=print)
+    profile = []
+    daily = jobs.run(spark, replace(cfg, since=last, until=new_day), progress=_kept(profile))
+    result["spark_incremental_profile"] = profile
     result["spark_incremental_day_s"] = round(time.monotonic() - started, 2)
     result["spark_incremental_rows"] = daily.rows_read
     assert daily.changed == [new_day]
     result["machine"] = machine()
-    if rows == min(SIZES):
+    if SIZES and rows == min(SIZES):
         result["tally_upsert"] = [tally_cost(url, batch_size=n) for n in (1, 64)]
     return result
 
 
+def _kept(lines: list[str]):
+    def progress(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    return progress
+
+
 WARM_UP_ROWS = 60_000
-SIZES = [int(x) for x in os.environ.get("BENCH_SIZES", "1000000,3000000,10000000").split(",")]
+SIZES = [
+    int(x)
+    for x in os.environ.get("BENCH_SIZES", "1000000,3000000,10000000").split(",")
+    if int(x) > 0
+]
+MASTER = os.environ.get("BENCH_MASTER", "local[2]")
 
 
 def main() -> None:
@@ -298,9 +339,17 @@ def main() -> None:
     if not admin_url.startswith("postgres"):
         sys.exit("run under `python -m tests.support.services --` (needs PostgreSQL)")
     workdir = Path(tempfile.mkdtemp(prefix="bench-analytics-"))
+    cluster = None
+    global MASTER
+    if MASTER == "standalone":
+        from tests.support.spark_cluster import SparkStandalone
+
+        cluster = SparkStandalone().start()
+        MASTER = cluster.master_url
     started = time.monotonic()
-    spark = jobs.session(config(admin_url, workdir, FIRST, FIRST))
+    spark = jobs.session(config(admin_url, workdir, FIRST, FIRST, MASTER))
     results: dict = {
+        "master": MASTER,
         "spark_session_start_s": round(time.monotonic() - started, 2),
         "machine_before": machine(),
         "sizes": [],
@@ -310,12 +359,17 @@ def main() -> None:
         started = time.monotonic()
         bench_size(spark, admin_url, WARM_UP_ROWS, workdir)
         results["warm_up_s"] = round(time.monotonic() - started, 2)
+        small = bench_size(spark, admin_url, SMALL_MONTH_ROWS, workdir, small=True)
+        results["small_month"] = small
+        print(json.dumps(small), flush=True)
         for rows in SIZES:
             figures = bench_size(spark, admin_url, rows, workdir)
             results["sizes"].append(figures)
             print(json.dumps(figures), flush=True)
     finally:
         spark.stop()
+        if cluster is not None:
+            cluster.close()
     sizes = results["sizes"]
     if len(sizes) > 1:
         # Linear cost: seconds per million rows should stay flat as the data grows.
@@ -325,7 +379,7 @@ def main() -> None:
         results["copy_s_per_million_rows"] = [
             round(s["copy_s"] / (s["rows"] / 1e6), 2) for s in sizes
         ]
-    write_results("analytics", results)
+    write_results(os.environ.get("BENCH_NAME", "analytics"), results)
 
 
 if __name__ == "__main__":

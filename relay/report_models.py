@@ -147,6 +147,9 @@ class ReportUsage(_TenantRow):
     rate_limited = models.BigIntegerField(default=0)
     refused = models.BigIntegerField(default=0)
     unavailable = models.BigIntegerField(default=0)
+    bytes_relayed = models.BigIntegerField(
+        default=0, help_text="Body bytes of the UnifiedPush messages delivered to phones."
+    )
     success_rate = models.FloatField(null=True, blank=True)
     latency_p50_ms = models.FloatField(null=True, blank=True)
     latency_p95_ms = models.FloatField(null=True, blank=True)
@@ -202,7 +205,7 @@ class ReportDomain(_TenantRow):
 
 
 class ReportErrorCode(_TenantRow):
-    app_id = models.BigIntegerField()
+    app_id = models.BigIntegerField(null=True, blank=True)  # none for UnifiedPush
     app_name = models.CharField(max_length=100, blank=True)
     provider = models.CharField(max_length=8)
     outcome = models.CharField(max_length=16)
@@ -216,6 +219,30 @@ class ReportErrorCode(_TenantRow):
 
     def __str__(self) -> str:
         return f"{self.day} {self.provider} {self.error_code}: {self.count}"
+
+
+class ReportUnifiedPush(_TenantRow):
+    """UnifiedPush messages (the Matrix gateway's notifications included) of one day, tenant
+    and component: received, how each ended, and the body bytes handed to phones."""
+
+    component_id = models.BigIntegerField(null=True, blank=True)
+    component_name = models.CharField(max_length=255, blank=True)
+    received = models.BigIntegerField(default=0)
+    delivered = models.BigIntegerField(default=0)
+    expired = models.BigIntegerField(default=0)
+    revoked = models.BigIntegerField(default=0)
+    replaced = models.BigIntegerField(default=0)
+    withdrawn = models.BigIntegerField(default=0)
+    dropped = models.BigIntegerField(default=0)
+    bytes_relayed = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-day", "tenant_name", "component_name"]
+        verbose_name = "UnifiedPush report"
+        indexes = [models.Index(fields=["day"]), models.Index(fields=["tenant_id"])]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.tenant_name} {self.component_name}: {self.received}"
 
 
 class ReportAnomaly(_TenantRow):

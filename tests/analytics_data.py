@@ -167,6 +167,29 @@ class ReportDatabase:
                 ],
             )
 
+    def unifiedpush(self, tenant: str, rows: list[dict[str, Any]]) -> None:
+        """UnifiedPush messages as the UnifiedPush app records them once they ended (a POST or
+        a Matrix gateway notification alike): outcome, sizes, POST and answer times."""
+        ids = self.ids[tenant]
+        with self.connect() as conn, conn.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO relay_unifiedpushdelivery (tenant_id, component_id, outcome, "
+                "urgency, received, finished, size, ttl, attempts) "
+                "VALUES (%s, %s, %s, 2, %s, %s, %s, 3600, %s)",
+                [
+                    (
+                        ids["tenant"],
+                        ids["component"],
+                        row["outcome"],
+                        row["received"],
+                        row["received"] + timedelta(milliseconds=row.get("latency", 0)),
+                        row.get("size", 100),
+                        row.get("attempts", 1),
+                    )
+                    for row in rows
+                ],
+            )
+
     def tally(
         self, tenant: str, provider: str, domain: str, verdict: str, count: int, minute: datetime
     ) -> None:

@@ -21,7 +21,14 @@ from urllib.parse import urlsplit
 import pytest
 
 from analytics import exports, jobs, reports
-from analytics.config import Database, JobConfig, Thresholds, Unreachable
+from analytics.config import (
+    ConfigError,
+    Database,
+    JobConfig,
+    Thresholds,
+    Unreachable,
+    from_args,
+)
 from tests.analytics_data import (
     D1,
     D2,
@@ -434,6 +441,89 @@ def test_a_push_whose_only_change_is_its_send_time_is_recomputed(spark, database
         900.0,
         900.0,
     )
+
+
+def test_unifiedpush_messages_are_a_provider_of_their_own(spark, database, tmp_path):
+    """alpha's UnifiedPush messages of one day: in the usage report as provider `up`, per
+    component with each outcome, in the error codes, the monthly CSV and the HTML report."""
+    day = date(2026, 7, 1)
+    latencies = [100, 200, 300, 400]
+    database.unifiedpush(
+        "alpha",
+        [
+            {"outcome": "delivered", "received": at(day, 60 * i), "latency": ms, "size": 1000}
+            for i, ms in enumerate(latencies)
+        ]
+        + [{"outcome": "delivered", "received": at(day, 900), "latency": 500, "attempts": 2}]
+        + [
+            {"outcome": outcome, "received": at(day, 1000 + i), "latency": 9000}
+            for i, outcome in enumerate(
+                ["expired", "revoked", "replaced", "replaced", "withdrawn", "dropped"]
+            )
+        ],
+    )
+    database.wait_for_replica()
+    config = make_config(database, tmp_path, day, day)
+    summary = jobs.run(spark, config, progress=lambda _: None)
+    assert summary.changed == [day] and summary.rows_read == 11
+
+    rows = usage_rows(database, day)
+    # received, sent, delivered, dead (revoked), retried, failed (expired, dropped),
+    # coalesced (replaced), rate-limited, refused, unavailable; success rate, p50/p95/p99
+    up = (11, 11, 5, 1, 1, 2, 2, 0, 0, 0, 5 / 11, *latency([*latencies, 500]))
+    assert rows[("provider", "alpha", "", "up")] == up
+    assert rows[("tenant", "alpha", "", "")] == up
+    [(bytes_relayed,)] = database.rows(
+        "SELECT bytes_relayed FROM relay_reportusage WHERE day = %s AND level = 'provider'",
+        (day,),
+    )
+    assert bytes_relayed == 4 * 1000 + 100
+    assert database.rows(
+        "SELECT tenant_name, component_name, received, delivered, expired, revoked, replaced, "
+        "withdrawn, dropped, bytes_relayed FROM relay_reportunifiedpush WHERE day = %s",
+        (day,),
+    ) == [("alpha", "push.alpha.example", 11, 5, 1, 1, 2, 1, 1, 4100)]
+    assert dict(
+        database.rows(
+            "SELECT error_code, count FROM relay_reporterrorcode "
+            "WHERE day = %s AND provider = 'up'",
+            (day,),
+        )
+    ) == {"expired": 1, "revoked": 1, "replaced": 2, "withdrawn": 1, "dropped": 1}
+    # No publishing domain: nothing in the domains report.
+    assert database.rows("SELECT count(*) FROM relay_reportdomain WHERE day = %s", (day,)) == [(0,)]
+
+    with (tmp_path / "export" / "monthly" / "2026-07" / "alpha.csv").open() as handle:
+        lines = {(row["app"], row["provider"]): row for row in csv.DictReader(handle)}
+    assert (lines[("", "up")]["pushes_sent"], lines[("", "up")]["bytes_relayed"]) == (
+        "11",
+        "4100",
+    )
+    assert lines[("(all)", "(all)")]["delivered"] == "5"
+    page = (tmp_path / "export" / f"report-{day}-{day}.html").read_text()
+    assert "UnifiedPush per component" in page and "push.alpha.example" in page
+    assert "<td>up</td>" in page
+
+
+def test_the_job_reads_its_settings_through_the_relays_environment(tmp_path):
+    """relay.environment declares every ANALYTICS_* variable once; the job reads them typed,
+    empty values as unset, and names a bad one."""
+    env = {
+        "DATABASE_URL": "postgres://relay@primary:5432/relay",
+        "ANALYTICS_DATABASE_URL": "postgres://reports@replica:5432/relay",
+        "ANALYTICS_ROWS_PER_PARTITION": "",
+        "ANALYTICS_SHUFFLE_PARTITIONS": "9",
+        "ANALYTICS_MIN_VOLUME": "7",
+        "VAR_DIR": str(tmp_path),
+    }
+    config = from_args(["--since", "2026-01-01", "--until", "2026-01-02"], env)
+    assert (config.source.host, config.source.setting) == ("replica", "ANALYTICS_DATABASE_URL")
+    assert config.primary is not None and config.primary.host == "primary"
+    assert (config.rows_per_partition, config.shuffle_partitions) == (500_000, 9)
+    assert config.thresholds.min_volume == 7
+    assert config.output == str(tmp_path / "reports")
+    with pytest.raises(ConfigError, match="ANALYTICS_MIN_VOLUME"):
+        from_args([], {**env, "ANALYTICS_MIN_VOLUME": "many"})
 
 
 # --- retention: a report outlives its raw records ------------------------------------------------

@@ -15,6 +15,7 @@ from relay.report_models import (
     ReportDomain,
     ReportErrorCode,
     ReportRegistrations,
+    ReportUnifiedPush,
     ReportUsage,
 )
 from tests.support.admin import (
@@ -52,6 +53,23 @@ def worlds(db):
         )
         ReportUsage.objects.create(
             **common, level="app", app_id=app.pk, app_name=app.name, pushes_sent=sent
+        )
+        ReportUsage.objects.create(
+            **common,
+            level="provider",
+            provider="up",
+            publishes_received=sent // 4,
+            pushes_sent=sent // 4,
+            delivered=sent // 4 - 1,
+            bytes_relayed=sent * 1111,
+        )
+        ReportUnifiedPush.objects.create(
+            **common,
+            component_name=f"up.{tenant.name}.example",
+            received=sent // 4,
+            delivered=sent // 4 - 1,
+            expired=1,
+            bytes_relayed=sent * 1111,
         )
         ReportRegistrations.objects.create(
             **common, app_id=app.pk, app_name=app.name, provider="fcm", active=sent + 1, new=2
@@ -105,6 +123,10 @@ def test_operator_sees_every_tenant_and_the_totals(worlds):
         "7001",
         "<svg",
         "123.0",
+        # UnifiedPush: its own provider value, its bytes, and a chart of its own.
+        str(7000 * 1111),
+        "UnifiedPush messages per reported day",
+        "1760 received, 1758 delivered",
     ):
         assert expected in text
 
@@ -114,6 +136,7 @@ def test_tenant_staff_see_only_their_tenant(worlds):
     text = page(make_tenant_staff(alpha, "alpha-staff", every_permission=True))
     for expected in ("alpha.example", "ALPHA_CODE", "volume moved for alpha", "41", "<svg", "4.0"):
         assert expected in text
+    assert str(40 * 1111) in text and "10 received, 9 delivered" in text  # alpha's UnifiedPush
     assert "bravo" not in text.lower()
     assert "7040" not in text and "123.0" not in text  # the all-tenant totals are not theirs
     # The chart holds alpha's pushes only.
@@ -125,7 +148,14 @@ def test_aggregate_tables_are_read_only_and_the_operators(worlds):
     operator, staff = Client(), Client()
     operator.force_login(make_operator())
     staff.force_login(make_tenant_staff(alpha, "alpha-staff", every_permission=True))
-    for model in (ReportUsage, ReportRegistrations, ReportDomain, ReportErrorCode, ReportAnomaly):
+    for model in (
+        ReportUsage,
+        ReportRegistrations,
+        ReportDomain,
+        ReportErrorCode,
+        ReportUnifiedPush,
+        ReportAnomaly,
+    ):
         name = model._meta.model_name
         changelist = reverse(f"admin:relay_{name}_changelist")
         response = operator.get(changelist)

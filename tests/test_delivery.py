@@ -25,6 +25,7 @@ from relay.services import provider_registry as registry
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeReply, FakeWns
 from tests.support.broker import queued_jobs_with_eta
+from tests.support.deferred import deferred_jobs
 from tests.support.provider_fakes import (
     configure_apns,
     configure_fcm,
@@ -158,14 +159,15 @@ def test_every_outcome_class_for_each_provider(service, outcome, component, fake
 
     assert len(wire_requests(service, fakes, registration)) == 1
     registration.refresh_from_db()
-    requeued = queued_jobs_with_eta()
+    assert queued_jobs_with_eta() == []  # a retry waits in the database, not the broker
+    requeued = deferred_jobs()
     record = Delivery.objects.filter(push_id=job.push_id).first()
     letter = DeadLetter.objects.filter(push_id=job.push_id).first()
     if outcome == "retry_later":
         [retry] = requeued
         assert retry.job["push_id"] == job.push_id and retry.job["attempt"] == 2
         # Delayed by the backoff: full jitter may pick almost nothing, never the past.
-        assert retry.eta is not None and retry.eta >= before
+        assert retry.eta >= before
         assert record is None and letter is None  # nothing is final yet
         return
     assert requeued == []
@@ -208,7 +210,7 @@ def test_retry_after_is_honoured(component, fakes):
     fakes["fcm"].respond(registration.token, 503, retry_after=40)
     before = datetime.now(UTC)
     assert delivery.deliver(make_job(registration)) == Outcome.RETRY_LATER
-    [retry] = queued_jobs_with_eta()
+    [retry] = deferred_jobs()
     assert retry.eta >= before + timedelta(seconds=40)
 
 
@@ -218,7 +220,7 @@ def test_quota_error_without_retry_after_backs_off_for_the_quota_minimum(compone
     before = datetime.now(UTC)
     with relay_settings(SEND_QUOTA_MIN_SECONDS=45.0, SEND_RETRY_MAX_SECONDS=300.0):
         assert delivery.deliver(make_job(registration)) == Outcome.RETRY_LATER
-    [retry] = queued_jobs_with_eta()
+    [retry] = deferred_jobs()
     assert retry.eta >= before + timedelta(seconds=45)
 
 
@@ -243,7 +245,7 @@ def test_exhausted_retries_become_a_dead_letter(component, fakes):
     last = settings.RELAY["SEND_MAX_ATTEMPTS"]
     job = make_job(registration, attempt=last)
     assert delivery.deliver(job) == Outcome.FAILED
-    assert queued_jobs_with_eta() == []
+    assert queued_jobs_with_eta() == [] and deferred_jobs() == []
     letter = DeadLetter.objects.get(push_id=job.push_id)
     assert letter.reason == "retries exhausted: ServiceUnavailable"
     assert letter.attempts == last and letter.provider == Service.APNS
@@ -259,7 +261,7 @@ def test_a_wake_up_that_would_arrive_too_late_is_given_up(component, fakes):
     received = timezone.now() - timedelta(seconds=max_age - 60)  # 60 s left, 120 s asked
     job = make_job(registration, received=received.isoformat())
     assert delivery.deliver(job) == Outcome.FAILED
-    assert queued_jobs_with_eta() == []
+    assert queued_jobs_with_eta() == [] and deferred_jobs() == []
     assert DeadLetter.objects.get(push_id=job.push_id).reason == "too old: THROTTLED"
 
 
@@ -287,7 +289,7 @@ def test_a_stuck_provider_is_cut_off_and_its_pushes_end_as_dead_letters(componen
         jobs = [make_job(registration) for _ in range(4)]
         assert [delivery.deliver(job) for job in jobs] == [Outcome.RETRY_LATER] * 4
         assert len(fcm.requests_for(registration.token)) == 3  # the 4th never went out
-        retries = {queued.job["push_id"]: queued for queued in queued_jobs_with_eta()}
+        retries = {queued.job["push_id"]: queued for queued in deferred_jobs()}
         assert {job.push_id for job in jobs} == set(retries)
         assert all(queued.job["attempt"] == 2 for queued in retries.values())
         # The breaker's time left (60 s), spread over one more, is the send's Retry-After.
@@ -314,7 +316,7 @@ def test_a_send_deferred_for_a_busy_app_keeps_its_attempt(component, fakes):
         finally:
             stuck.release.set()
             holder.join(10)
-    [queued] = queued_jobs_with_eta()
+    [queued] = deferred_jobs()
     assert queued.job["push_id"] == job.push_id
     assert queued.job["attempt"] == settings.RELAY["SEND_MAX_ATTEMPTS"]
     # Back once the stuck send has timed out, not after an attempt's backoff.
@@ -323,17 +325,16 @@ def test_a_send_deferred_for_a_busy_app_keeps_its_attempt(component, fakes):
     assert wire_requests(Service.FCM, fakes, registration) == []
 
 
-def test_a_retry_that_cannot_be_queued_becomes_a_dead_letter(component, fakes, monkeypatch):
+def test_a_deferred_retry_waits_for_the_wal_flush(component, fakes):
+    """A deferred send is the only copy of its push once the broker message is acknowledged:
+    the batch that writes it commits durably (no `synchronous_commit off`), as for a dead
+    letter."""
     registration = make_registration(component, Service.FCM, fakes)
     fakes["fcm"].respond(registration.token, 503)
-
-    def broker_down(job, **kwargs):
-        raise queue.QueueUnavailable
-
-    monkeypatch.setattr(queue, "enqueue_send", broker_down)
-    job = make_job(registration)
-    assert delivery.deliver(job) == Outcome.FAILED
-    assert DeadLetter.objects.get(push_id=job.push_id).reason == "not re-queued: UNAVAILABLE"
+    with CaptureQueriesContext(connection) as deferring:
+        assert delivery.deliver(make_job(registration)) == Outcome.RETRY_LATER
+    [_] = deferred_jobs()
+    assert not any("synchronous_commit" in sql for sql in queries_sql(deferring))
 
 
 def test_a_batch_that_writes_a_dead_letter_waits_for_the_wal_flush(component, fakes):

@@ -18,6 +18,7 @@ from relay.identifiers import account_hash
 from relay.models import App, Component, ComponentLink, Delivery, Registration, Tenant
 from relay.report_models import PublishTally
 from tests.fakes.fcm import FakeFcm
+from tests.support import broker
 from tests.support.processes import start_gateway, start_worker, test_database_url
 from tests.support.proxy import TcpProxy
 from tests.support.waiting import holds_for, wait_until
@@ -255,8 +256,8 @@ def test_an_outage_answers_wait_and_ejabberd_keeps_the_registration(
         env = {"DATABASE_URL": test_database_url(host="127.0.0.1", port=proxy.port)}
     else:
         url = urlsplit(settings.CELERY_BROKER_URL)
-        proxy = _through((url.hostname or "127.0.0.1", url.port or 6379))
-        env = {"CELERY_BROKER_URL": f"redis://127.0.0.1:{proxy.port}{url.path}"}
+        proxy = _through((url.hostname or "127.0.0.1", url.port or 5672))
+        env = {"CELERY_BROKER_URL": broker.through(proxy.port)}
     try:
         relay = relay_on(ejabberd, **env)
         phone = xmpp_client_factory(ejabberd, "phone")

@@ -56,14 +56,18 @@ def test_database_outage_answers_wait_and_recovers(transactional_db):
 
 def test_broker_outage_answers_wait_and_recovers(transactional_db):
     url = urlsplit(settings.CELERY_BROKER_URL)
-    proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 6379)
+    proxy = TcpProxy(url.hostname or "127.0.0.1", url.port or 5672)
     server = FakeXmppServer(COMPONENT, SECRET)
     component = make_component(server.port)
     registration = register_device(
         component=component, service=Service.FCM, bare_jid="a@localhost", device_id="d", token="t"
     )
     broker.purge()
-    gateway = start_gateway(CELERY_BROKER_URL=f"redis://127.0.0.1:{proxy.port}{url.path}")
+    # Every publish a send of its own (no coalescing, which keeps a repeat in the database):
+    # each one needs the broker.
+    gateway = start_gateway(
+        CELERY_BROKER_URL=broker.through(proxy.port), RELAY_COALESCE_SECONDS="0"
+    )
     try:
         server.wait_connected(gateway=gateway)
         lab = Lab(server, gateway, component, registration)

@@ -119,13 +119,13 @@ class _Collect(logging.Handler):
         "django.request",
         "django.server",
         "pushsite.access",
-        "tornado.general",
-        "tornado.application",
+        "aiohttp.server",
+        "aiohttp.web",
     ],
 )
 def test_request_records_are_masked_before_any_handler(logger_name):
     """The filter sits on every logger that may see a path (settings.LOGGING): Django's, the
-    web server's access log and Tornado's own, so a handler of any format (an operator's)
+    web server's access log and aiohttp's own, so a handler of any format (an operator's)
     gets the record masked: here Django's 500 line with its traceback, as `log_response`
     writes it."""
     path = f"/push/{TOKEN}"

@@ -21,9 +21,13 @@ from relay.report_models import (
     ReportDomain,
     ReportErrorCode,
     ReportRegistrations,
+    ReportUnifiedPush,
     ReportUsage,
 )
 from relay.services import report_data, tenancy
+
+# The provider value of UnifiedPush messages in the reports (analytics.schema.UNIFIEDPUSH).
+UNIFIEDPUSH = "up"
 
 
 def reports_view(site: admin.AdminSite, request: HttpRequest) -> TemplateResponse:
@@ -37,8 +41,13 @@ def reports_view(site: admin.AdminSite, request: HttpRequest) -> TemplateRespons
         "chart": daily_chart(
             report_data.daily_usage(tenant_ids=tenant_ids), title="Pushes per reported day"
         ),
+        "unifiedpush_chart": daily_chart(
+            report_data.daily_usage(tenant_ids=tenant_ids, provider=UNIFIEDPUSH),
+            title="UnifiedPush messages per reported day",
+        ),
         "latency": report_data.latency(tenant_ids=tenant_ids),
         "tenants": report_data.usage_per_tenant(tenant_ids=tenant_ids),
+        "providers": report_data.usage_per_provider(tenant_ids=tenant_ids),
         "registrations_day": registrations_day,
         "registrations": registrations,
         "domains_day": domains_day,
@@ -80,6 +89,7 @@ class ReportUsageAdmin(ReportAdmin):
         "delivered",
         "dead_tokens",
         "failed",
+        "bytes_relayed",
         "success_rate",
         "latency_p50_ms",
         "latency_p95_ms",
@@ -125,6 +135,24 @@ class ReportDomainAdmin(ReportAdmin):
 class ReportErrorCodeAdmin(ReportAdmin):
     list_display = ("day", "tenant_name", "app_name", "provider", "outcome", "error_code", "count")
     list_filter = ("provider", "outcome")
+
+
+@admin.register(ReportUnifiedPush)
+class ReportUnifiedPushAdmin(ReportAdmin):
+    list_display = (
+        "day",
+        "tenant_name",
+        "component_name",
+        "received",
+        "delivered",
+        "expired",
+        "revoked",
+        "replaced",
+        "withdrawn",
+        "dropped",
+        "bytes_relayed",
+    )
+    search_fields = ("tenant_name", "component_name")
 
 
 @admin.register(ReportAnomaly)

@@ -42,15 +42,23 @@ def _scoped(queryset: QuerySet, tenant_ids: Collection[int] | None) -> QuerySet:
 
 
 def daily_usage(
-    *, tenant_ids: Collection[int] | None, days: int = 30, today: date | None = None
+    *,
+    tenant_ids: Collection[int] | None,
+    days: int = 30,
+    today: date | None = None,
+    provider: str | None = None,
 ) -> list[DayCounts]:
-    """Pushes per reported day, oldest first, for the admin's stacked bar chart."""
+    """Pushes per reported day, oldest first, for the admin's stacked bar chart: every
+    provider's, or one provider's (e.g. `up`, the UnifiedPush messages)."""
     today = today or timezone.now().date()
     first = today - timedelta(days=days - 1)
+    level = ReportUsage.objects.filter(
+        level=ReportLevel.TENANT if provider is None else ReportLevel.PROVIDER, day__gte=first
+    )
+    if provider is not None:
+        level = level.filter(provider=provider)
     rows = (
-        _scoped(ReportUsage.objects.filter(level=ReportLevel.TENANT, day__gte=first), tenant_ids)
-        .values("day")
-        .annotate(**{name: Sum(name) for name in _COUNTS})
+        _scoped(level, tenant_ids).values("day").annotate(**{name: Sum(name) for name in _COUNTS})
     )
     by_day = {row["day"]: row for row in rows}
     result = []
@@ -92,6 +100,17 @@ def usage_per_tenant(*, tenant_ids: Collection[int] | None, days: int = 30) -> l
             **{name: Sum(name) for name in (*_COUNTS, "rate_limited", "coalesced", "refused")}
         )
         .order_by("tenant_name")
+    )
+
+
+def usage_per_provider(*, tenant_ids: Collection[int] | None, days: int = 30) -> list[dict]:
+    """Per tenant and provider (UnifiedPush as `up`), the last `days` days."""
+    first = timezone.now().date() - timedelta(days=days - 1)
+    return list(
+        _scoped(ReportUsage.objects.filter(level=ReportLevel.PROVIDER, day__gte=first), tenant_ids)
+        .values("tenant_id", "tenant_name", "provider")
+        .annotate(**{name: Sum(name) for name in (*_COUNTS, "bytes_relayed")})
+        .order_by("tenant_name", "provider")
     )
 
 

@@ -151,11 +151,24 @@ def start_gateway(**env: str) -> ServiceProcess:
 def worker_argv(
     *, concurrency: int = 4, loglevel: str = "INFO", pool: str = "threads"
 ) -> list[str]:
-    """The command line of one of our Celery workers (tests and benchmarks use the same)."""
+    """The command line of one of our Celery workers (tests and benchmarks use the same). Each
+    has a node name of its own: RabbitMQ lets one worker per name hold its control queue."""
+    import uuid
+
     return [
         sys.executable, "-m", "celery", "-A", "pushsite", "worker",
+        "--hostname", f"worker-{uuid.uuid4().hex[:8]}@%h",
         "--pool", pool, "--concurrency", str(concurrency), "--loglevel", loglevel,
         "--without-heartbeat", "--without-gossip", "--without-mingle",
+    ]  # fmt: skip
+
+
+def beat_argv(schedule: str, *, loglevel: str = "INFO") -> list[str]:
+    """The command line of beat (the Procfile's), its schedule in the file `schedule`: its
+    sweep queues the deferred sends (retries) once due."""
+    return [
+        sys.executable, "-m", "celery", "-A", "pushsite", "beat",
+        "--loglevel", loglevel, "--schedule", schedule,
     ]  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Private PostgreSQL and Redis servers on free ports, started and stopped by the tests.
+"""Private PostgreSQL, Redis and RabbitMQ servers on free ports, started and stopped by the tests.
 
 Nothing here touches a server the machine already runs: each instance lives in a folder of
 its own, listens on loopback on a free port, and is gone when the test (or the session) ends.
@@ -9,10 +9,11 @@ Run as a program, it wraps the test session (the Makefile does this)::
 
     python -m tests.support.services -- python -m pytest ...
 
-and starts a private PostgreSQL unless TEST_DATABASE_URL is given, a private Redis unless
-TEST_BROKER_URL is given, exports DATABASE_URL, CELERY_BROKER_URL, CACHE_URL and
-RELAY_STATE_URL for the command, and stops what it started when the command ends. Two runs on
-one machine therefore never share a database or a Redis db.
+and starts a private PostgreSQL unless TEST_DATABASE_URL is given, a private RabbitMQ (the
+broker, tests/support/rabbitmq.py) unless TEST_BROKER_URL is given, a private Redis (state
+and cache) unless TEST_STATE_URL is given, exports DATABASE_URL, CELERY_BROKER_URL,
+CACHE_URL and RELAY_STATE_URL for the command, and stops what it started when the command
+ends. Two runs on one machine therefore never share a database, a broker or a Redis db.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 from tests.support.ports import LOOPBACK, free_port, port_accepts
+from tests.support.rabbitmq import PrivateRabbit
 from tests.support.waiting import wait_until
 
 POSTGRES_BIN_ROOT = Path("/usr/lib/postgresql")
@@ -355,10 +357,10 @@ class PrivateRedis:
 
 def session_environment(
     environ: dict[str, str],
-) -> tuple[dict[str, str], list[PrivatePostgres | PrivateRedis]]:
+) -> tuple[dict[str, str], list[PrivatePostgres | PrivateRedis | PrivateRabbit]]:
     """The environment a test session runs with, and the servers started for it."""
     env = dict(environ)
-    started: list[PrivatePostgres | PrivateRedis] = []
+    started: list[PrivatePostgres | PrivateRedis | PrivateRabbit] = []
     database_url = env.get("TEST_DATABASE_URL", "")
     if not database_url:
         postgres = PrivatePostgres()
@@ -366,18 +368,24 @@ def session_environment(
         postgres.start()
         database_url = postgres.create_database("relay")
     broker_url = env.get("TEST_BROKER_URL", "")
-    cache_url = env.get("TEST_CACHE_URL", "")
     if not broker_url:
+        rabbit = PrivateRabbit("relay")
+        started.append(rabbit)
+        rabbit.start()
+        broker_url = rabbit.url()
+    state_url = env.get("TEST_STATE_URL", "")
+    cache_url = env.get("TEST_CACHE_URL", "")
+    if not state_url:
         redis = PrivateRedis()
         started.append(redis)
         redis.start()
-        broker_url = redis.url(0)
+        state_url = redis.url(0)
         cache_url = cache_url or redis.url(1)
     env["DATABASE_URL"] = database_url
     env["CELERY_BROKER_URL"] = broker_url
+    env["RELAY_STATE_URL"] = state_url  # Redis holds state only, as in production
     if cache_url:
         env["CACHE_URL"] = cache_url
-    env.pop("RELAY_STATE_URL", None)  # the broker's Redis, as in production
     return env, started
 
 
