@@ -293,7 +293,8 @@ def test_sigkill_mid_batch_loses_no_push_on_the_embedded_broker(
                 killed_at = time.monotonic()
                 # What the worker wrote just before it died is recorded once the fake has read
                 # its connections to the end (slow under load).
-                fcm.wait_closed(open_at_kill, timeout=60)
+                fcm.wait_closed(open_at_kill | fcm.open_connections(), timeout=60)
+                wait_until(lambda: fcm.quiet_for(1.0), what="the fake has read everything")
                 sent_before_kill = set(push_ids_at_fake(fcm))
                 # The killed worker's leases run out after the visibility timeout; only then
                 # does the next worker take those messages again. (Time itself is the point

@@ -129,8 +129,10 @@ def test_sigkill_mid_batch_loses_no_push(scenario, component):
                 workers[0].kill()
                 assert workers[0].process.returncode == -signal.SIGKILL
                 # What the worker wrote just before it died is recorded once the fake has read
-                # its connections to the end (slow under load).
-                fcm.wait_closed(open_at_kill, timeout=30)
+                # its connections to the end (slow under load), those it opened at the last
+                # moment too (no worker is left: every connection open now was its).
+                fcm.wait_closed(open_at_kill | fcm.open_connections(), timeout=60)
+                wait_until(lambda: fcm.quiet_for(1.0), what="the fake has read everything")
                 sent_before_kill = set(push_ids_at_fake(fcm))
                 # RabbitMQ gives unacknowledged messages back once the connection is gone.
                 workers.append(start_worker(pool))
@@ -142,7 +144,7 @@ def test_sigkill_mid_batch_loses_no_push(scenario, component):
                     os.kill(child, signal.SIGKILL)
                 # A request a child wrote just before it died may still be on its way (slow
                 # under load): it is recorded once the fake has read its connection to the end.
-                fcm.wait_closed(open_at_kill, timeout=30)
+                fcm.wait_closed(open_at_kill, timeout=60)
                 sent_before_kill = set(push_ids_at_fake(fcm))
             with contextlib.suppress(TimeoutError):  # the assertions below say what is missing
                 wait_until(
