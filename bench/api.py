@@ -287,15 +287,16 @@ def main() -> None:
     args = parser.parse_args()
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
-    broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
-    if not broker_url.startswith("redis"):
-        raise SystemExit("CELERY_BROKER_URL must be redis://… (the rate-limit counters live there)")
+    broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+    cache_url = os.environ.get("CACHE_URL", "redis://127.0.0.1:6379/15")
+    if not cache_url.startswith("redis"):
+        raise SystemExit("CACHE_URL must be redis://… (the rate-limit counters live there)")
     database_url = prepare_database(admin_url, BENCH_DB)
     os.environ.update(
         {
             "DATABASE_URL": database_url,
             "CELERY_BROKER_URL": broker_url,
-            "CACHE_URL": os.environ.get("CACHE_URL", broker_url),
+            "CACHE_URL": cache_url,
             "RELAY_UWPX_RATE_LIMIT_ADDRESS": "0/60",
             "LOG_LEVEL": "WARNING",
         }

@@ -382,7 +382,7 @@ def main() -> None:
     args = parser.parse_args()
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-    broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
+    broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
     database_url = prepare_database(admin_url, BENCH_DB)
     os.environ.update({"DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url})
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")

@@ -385,7 +385,7 @@ def main() -> None:
     args = parser.parse_args()
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-    broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
+    broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
     os.environ.update(
         {"DATABASE_URL": prepare_database(admin_url, BENCH_DB), "CELERY_BROKER_URL": broker_url}
     )

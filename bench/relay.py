@@ -3,9 +3,10 @@ broker and the workers, to a fake FCM. Prints and writes (bench/results/relay.js
 pushes per second end to end, and p50/p95/p99 latency from publish to iq result and from
 publish to the FCM request.
 
-Run with `make bench` (PostgreSQL and Redis on loopback). Options: --pushes, --window,
---workers, --concurrency. It also reports CPU per push and the busy fraction of each process
-(gateway, workers, fake FCM, this client, and all PostgreSQL and Redis server processes) over
+Run with `make bench` (PostgreSQL, RabbitMQ and Redis on loopback). Options: --pushes,
+--window, --workers, --concurrency. It also reports CPU per push and the busy fraction of each
+process (gateway, workers, fake FCM, this client, PostgreSQL's server processes and the
+broker, RabbitMQ's Erlang VM beam.smp) over
 the measured run, to show which one holds throughput back. RELAY_BENCH_DB names the database
 it re-creates (default relay_bench), BENCH_FAKE_PORT the fake FCM's port. `--profile
 py-spy` (py-spy is in the test extra) records the gateway and the workers in every phase and
@@ -21,12 +22,14 @@ import contextlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,18 +71,30 @@ def service_cpu(pids: dict[str, int], servers: dict[str, int]) -> dict[str, floa
 
 
 def server_pids(database_url: str, broker_url: str) -> dict[str, int]:
-    """The postmaster's pid (from its data directory) and the redis-server's (INFO)."""
+    """The postmaster's pid (from its data directory) and the broker's: RabbitMQ's Erlang VM
+    (beam.smp, the process listening on the URL's port), or the embedded broker's none."""
     import psycopg
-    import redis
 
     found: dict[str, int] = {}
     with psycopg.connect(database_url.replace("postgres://", "postgresql://")) as conn:
         row = conn.execute("SHOW data_directory").fetchone()
     if row is not None:
         found["postgres"] = int((Path(row[0]) / "postmaster.pid").read_text().split()[0])
-    info = redis.Redis.from_url(broker_url).info("server")
-    found["redis"] = int(info["process_id"])
+    if broker_url.startswith(("amqp://", "pyamqp://")):
+        port = urlsplit(broker_url.split(";")[0]).port or 5672
+        found["broker"] = listening_pid(port)
     return found
+
+
+def listening_pid(port: int) -> int:
+    """The pid of the process that listens on a loopback TCP port (`ss -ltnp`)."""
+    output = subprocess.run(
+        ["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout
+    match = re.search(r"pid=(\d+)", output)
+    if match is None:
+        raise SystemExit(f"no process found listening on port {port}")
+    return int(match.group(1))
 
 
 def machine_busy() -> tuple[float, float]:
@@ -116,8 +131,8 @@ class Accounting:
             }
             | {
                 "relay_gateway_and_workers": round(relay * 1000 / max(pushes, 1), 3),
-                "with_postgres_redis": round(
-                    (relay + used.get("postgres", 0) + used.get("redis", 0))
+                "with_postgres_broker": round(
+                    (relay + used.get("postgres", 0) + used.get("broker", 0))
                     * 1000
                     / max(pushes, 1),
                     3,
@@ -165,7 +180,7 @@ def main() -> None:
     phase_sizes = [int(rate * args.phase_seconds) for rate in rates]
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
-    broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
+    broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
     database_url = prepare_database(admin_url, BENCH_DB)
     os.environ.update({"DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url})
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")

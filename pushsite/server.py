@@ -1,19 +1,22 @@
 """The web process: `python -m pushsite.server`.
 
-Tornado's HTTP/1.1 server (its public interface only), in WEB_WORKERS processes forked from
-this one, each with one event loop and a pool of WEB_THREADS threads:
+aiohttp's low-level HTTP/1.1 server (`aiohttp.web.Server`, its public interface), in
+WEB_WORKERS processes forked from this one, each with one event loop (uvloop) and a pool of
+WEB_THREADS threads:
 
 - `/push/…` and `/_matrix/push/v1/notify` go to the UnifiedPush resource
   (relay/unifiedpush/http.py) on the event loop: a POST waiting for the phone holds no thread;
-- everything else goes to Django (pushsite/wsgi.py) through `tornado.wsgi.WSGIContainer`, on
-  the thread pool.
+- everything else goes to Django (pushsite/wsgi.py) through our WSGI bridge
+  (pushsite/wsgi_bridge.py), on the thread pool.
 
-Every answer, whichever route made it, passes one place (`_Answer`): the security headers
+Every answer, whichever route made it, passes one place (`Site.send`): the security headers
 Django's settings call for (pushsite/security.py), the access log line (masked), the request
-counted for /metrics, and a deadline on flushing it. Why Tornado, and what each limit does:
-docs/web.md. What Tornado leaves to us is here and small: the request line's length and the
-number of header fields (it bounds the head's bytes), the flush deadline and its hard close,
-and a graceful stop (answer what is held, then close).
+counted for /metrics. Why aiohttp, and what each limit does: docs/web.md. aiohttp bounds
+the head (its parser's limits) and the wait for a head (its keep-alive timeout); what it
+leaves to us is here: the request line's length, the number of header fields and the head's
+bytes answered 414 or 431 with our headers, the body's deadline, the flush deadline and its
+hard close (one sweep over the connections), and a graceful stop (answer what is held, then
+close).
 
 This process binds the socket and supervises the workers: it starts them, starts another
 when one dies (its live gauges are marked dead for /metrics), and on SIGTERM or SIGINT passes
@@ -29,6 +32,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -36,7 +40,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,20 +48,10 @@ from typing import Any, Protocol
 from urllib.parse import unquote
 
 import uvloop
-from tornado.http1connection import HTTP1ConnectionParameters, HTTP1ServerConnection
-from tornado.httputil import (
-    HTTPConnection,
-    HTTPHeaders,
-    HTTPMessageDelegate,
-    HTTPServerConnectionDelegate,
-    HTTPServerRequest,
-    ResponseStartLine,
-    format_timestamp,
-    responses,
-)
-from tornado.netutil import bind_sockets
-from tornado.tcpserver import TCPServer
-from tornado.wsgi import WSGIContainer
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+
+from pushsite import wsgi_bridge
 
 log = logging.getLogger("pushsite.server")
 access_log = logging.getLogger("pushsite.access")
@@ -68,9 +62,14 @@ InThread = Callable[[Callable[[], Any]], Awaitable[Any]]
 # prometheus_client's own variable: set here for the workers, never read from the operator's
 # environment (.env.example: WEB_METRICS_DIR).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-CHUNK_BYTES = 64 * 1024
 SWEEP_SECONDS = 0.5
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# What a header may be on the wire (RFC 9110: a token; visible ASCII, spaces and tabs).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE = re.compile(r"[ \t\x21-\x7e]*")
+_TEXT = ("Content-Type", "text/plain")
+# aiohttp writes a Server header unless one is set: this one names no version.
+_SERVER = ("Server", "push-relay")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +101,23 @@ class Limits:
             graceful_seconds=current.web_graceful_seconds,
         )
 
+    def parser_options(self) -> dict[str, Any]:
+        """aiohttp's own limits, which stop its parser reading a head: a target or a field
+        longer than the whole head may be, or twice the fields allowed. Within them the head
+        is parsed and `Site.limit_refusal` answers what the configured limits refuse (414,
+        431 with our headers, on HTTP/1.1); beyond them aiohttp refuses (`handle_error`).
+        So a head being read holds at most (2 * WEB_MAX_HEADERS + 1) * WEB_MAX_HEAD_BYTES."""
+        return {
+            "max_line_size": self.max_head_bytes,
+            "max_field_size": self.max_head_bytes,
+            "max_headers": 2 * self.max_headers,
+            # The wait for a head: on a new connection, and after each answer.
+            "keepalive_timeout": self.head_seconds,
+            # A body left unread by a refusal from the head (413, 411) is read and dropped
+            # for at most this long, so the connection stays usable.
+            "lingering_time": self.body_seconds,
+        }
+
 
 class Resource(Protocol):
     """A route served on the event loop (relay.unifiedpush.http.PushResource)."""
@@ -115,391 +131,360 @@ class Resource(Protocol):
     ) -> Answer: ...
 
 
-# --------------------------------------------------------------------------- one request
-def _limit_refusal(limits: Limits, start_line: Any, headers: Any) -> Answer | None:
-    """Tornado bounds the head's bytes (max_header_size); the request line and the number of
-    fields are bounded here."""
-    line = len(start_line.method) + len(start_line.path) + len(start_line.version) + 2
-    if line > limits.max_request_line:
-        return 414, [("Content-Type", "text/plain")], b"request line too long\n"
-    if sum(1 for _ in headers.get_all()) > limits.max_headers:
-        return 431, [("Content-Type", "text/plain")], b"too many header fields\n"
-    return None
+def _sendable(headers: Iterable[tuple[str, str]]) -> bool:
+    return all(_HEADER_NAME.fullmatch(name) and _HEADER_VALUE.fullmatch(value)
+               for name, value in headers)  # fmt: skip
 
 
-class _Date:
-    """The Date header, formatted once a second."""
-
-    second = -1
-    value = ""
-
-    @classmethod
-    def now(cls) -> str:
-        second = int(time.time())
-        if second != cls.second:
-            cls.value, cls.second = format_timestamp(second), second
-        return cls.value
+# What a connection is doing, and so which deadline the sweep holds it to.
+BODY, BUSY, IDLE = "body", "busy", "idle"
 
 
-class _Exchange(HTTPMessageDelegate):
-    """One request on one connection, from its head to its answer flushed."""
+class Connection(web.RequestHandler):
+    """aiohttp's HTTP/1.1 connection (its public protocol class), known to the site: the
+    sweep holds it to the body and flush deadlines, and a head aiohttp's parser refuses is
+    answered with our headers and logged like any answer (`handle_error`)."""
 
-    def __init__(self, site: Site, peer: _Peer, connection: Any) -> None:
+    __slots__ = ("flush_since", "phase", "since", "site", "wire")
+
+    def __init__(self, manager: web.Server, site: Site, **options: Any) -> None:
+        super().__init__(manager, **options)
         self.site = site
-        self.peer = peer
-        self.connection = connection  # tornado's HTTP1Connection
-        self.started = 0.0
-        self.start_line: Any = None
-        self.headers: Any = None
-        self.path = ""
-        self.route: Resource | None = None
-        self.early: Answer | None = None
-        self.close = False
-        self.room = 0
-        self.body = bytearray()
-        self.answer = _Answer(self)
-
-    def headers_received(self, start_line: Any, headers: Any) -> None:
-        self.started = time.perf_counter()
-        self.peer.enter(BODY)
-        self.start_line, self.headers = start_line, headers
-        self.path = unquote(start_line.path.partition("?")[0])
-        self.early = _limit_refusal(self.site.limits, start_line, headers)
-        if self.early is not None:
-            self.close = True
-            return
-        self.room = self.site.limits.max_body_bytes
-        resource = self.site.resource
-        if resource is not None and self.site.resource_paths.fullmatch(self.path):
-            self.route = resource
-            self.room = resource.max_body_bytes
-            self.early = resource.refusal(start_line.method, self.path, headers.get)
-        if self.early is not None:
-            self.room = 0  # read and dropped: the connection stays usable
-
-    def data_received(self, chunk: bytes) -> None:
-        if len(self.body) < self.room:
-            self.body += chunk[: self.room - len(self.body)]
-
-    def finish(self) -> None:
-        self.peer.enter(BUSY)
-        if self.early is not None:
-            self.answer.send(*self.early)
-            return
-        self.site.spawn(self._serve())
-
-    async def _serve(self) -> None:
-        try:
-            if self.route is not None:
-                status, headers, body = await self.route.answer(
-                    self.start_line.method,
-                    self.path,
-                    self.headers.get,
-                    bytes(self.body),
-                    self.site.in_thread,
-                )
-                self.answer.send(status, headers, body)
-            else:
-                request = HTTPServerRequest(
-                    connection=self.answer, start_line=self.start_line, headers=self.headers
-                )
-                request.body = bytes(self.body)
-                await self.site.django.handle_request(request)
-        except Exception as error:  # never leave the client waiting: answer 500, or end it
-            log.exception("web.answer_failed", extra={"error_type": type(error).__name__})
-            self.answer.fail()
-
-    def on_connection_close(self) -> None:
-        """The client went away before its request was read whole."""
-        self.peer.enter(IDLE)
-
-
-class _Answer(HTTPConnection):
-    """The connection as the routes see it (tornado's HTTPConnection interface): every answer
-    gets the security headers and a Date, is logged and counted, and must be flushed within
-    WEB_FLUSH_SECONDS, or the connection is closed hard (a client that stopped reading holds
-    nothing for ever)."""
-
-    def __init__(self, exchange: _Exchange) -> None:
-        self.exchange = exchange
-        self.inner = exchange.connection
-        self.context = self.inner.context  # HTTPServerRequest reads the peer's address here
-        self.status = 0
-        self.sent = 0
-        self.head_written = False
-        self.flushed: Any = None  # the Future of the last write
-
-    def send(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
-        fields = HTTPHeaders()
-        for name, value in headers:
-            fields.add(name, value)
-        fields["Content-Length"] = str(len(body))
-        start_line = ResponseStartLine("HTTP/1.1", status, responses.get(status, "Unknown"))
-        self.write_headers(start_line, fields, body)
-        self.finish()
-
-    def write_headers(self, start_line: Any, headers: Any, chunk: bytes | None = None) -> Any:
-        exchange = self.exchange
-        site = exchange.site
-        self.status = start_line.code
-        for name, value in site.security_headers(exchange.headers):
-            headers[name] = value
-        headers["Date"] = _Date.now()
-        if "Server" in headers:
-            del headers["Server"]
-        if exchange.close or site.stopping:
-            exchange.close = True
-            headers["Connection"] = "close"
-        if exchange.start_line.method == "HEAD":
-            chunk = None
-        self.flushed = self.inner.write_headers(start_line, headers, chunk)
-        self.head_written = True  # only once written: a header it refused leaves room for a 500
-        self.sent += len(chunk or b"")
-        return self.flushed
-
-    def write(self, chunk: bytes) -> Any:
-        if self.exchange.start_line.method == "HEAD":
-            chunk = b""
-        self.sent += len(chunk)
-        self.flushed = self.inner.write(chunk)
-        return self.flushed
-
-    def finish(self) -> None:
-        self.inner.finish()
-        self.exchange.site.answered(self.exchange)
-
-    def fail(self) -> None:
-        """After an exception: the 500 answer if nothing was written yet, else the end."""
-        if not self.head_written:
-            self.exchange.close = True
-            with contextlib.suppress(Exception):
-                self.send(500, [("Content-Type", "text/plain")], b"internal error\n")
-                return
-        self.abort()
-
-    def abort(self) -> None:
-        """Close now, dropping what was not sent (RST)."""
-        _hard_close(self.inner)
-        self.inner.close()
-        self.exchange.peer.enter(IDLE)
-
-
-def _hard_close(connection: Any) -> None:
-    """Have the next close drop what was not sent and reset the connection (RST): nothing
-    waits for a client that stopped reading."""
-    stream = connection.stream
-    if stream is not None and not stream.closed():
-        with contextlib.suppress(OSError):
-            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-
-
-# What a connection is doing, and so which deadline it has (WEB_*_SECONDS), if any.
-HEAD, BODY, BUSY, FLUSH, IDLE = "head", "body", "busy", "flush", "idle"
-
-
-class _Peer:
-    """One client connection: waiting for a head, reading a body, busy answering, flushing
-    the answer. The site's sweep closes it once it is past the deadline of what it does."""
-
-    __slots__ = ("connection", "phase", "server_connection", "since")
-
-    def __init__(self, server_connection: Any) -> None:
-        self.server_connection = server_connection
-        self.connection: Any = None  # the current request's HTTP1Connection
+        self.wire: asyncio.Transport | None = None  # aiohttp forgets it when closing
         self.phase = IDLE
         self.since = 0.0
+        self.flush_since: float | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.wire = transport  # type: ignore[assignment]
+        self.site.connections.add(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.site.connections.discard(self)
+        super().connection_lost(exc)
+
+    def resume_writing(self) -> None:
+        """The socket took what was waiting (down to the low-water mark): progress."""
+        super().resume_writing()
+        self.flush_since = None
 
     def enter(self, phase: str) -> None:
         self.phase = phase
         self.since = time.monotonic()
 
-    @property
-    def busy(self) -> bool:
-        return self.phase in (BODY, BUSY, FLUSH)
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer to a head its parser refused, or to an exception that escaped
+        `Site.handle` (a bug): with our headers, logged masked, and the connection closed."""
+        if request.writer.output_size > 0:  # (as aiohttp's own): too late for an answer
+            raise ConnectionError("the answer had begun")
+        if isinstance(exc, LineTooLong) or (
+            # aiohttp raises the plain class for this one, with this message: a test in
+            # tests/test_web_server.py (the heads aiohttp's parser refuses) fails if it changes.
+            type(exc) is BadHttpMessage and "Too many headers" in str(exc)
+        ):
+            status, text = 431, b"request head too large\n"
+        elif status == 400:
+            text = b"bad request\n"
+        else:
+            log.error("web.answer_failed", exc_info=exc,
+                      extra={"error_type": type(exc).__name__})  # fmt: skip
+            status, text = 500, b"internal error\n"
+        response = web.Response(status=status, body=text, headers=[_TEXT, _SERVER])
+        self.site.finish(response, request, time.perf_counter(), len(text), close=True)
+        return response
 
 
 # --------------------------------------------------------------------------- one worker
-class Site(HTTPServerConnectionDelegate):
+class Site:
     """The routes of one worker, with what they share: the thread pool, the connections."""
 
     def __init__(
         self,
         *,
-        django: Callable[..., Any],
+        django: wsgi_bridge.WsgiApplication,
         resource: Resource | None,
         resource_paths: Any,
         limits: Limits,
         threads: int,
+        multiprocess: bool = True,
     ) -> None:
         from pushsite import security
 
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="web")
-        self.django = WSGIContainer(_trimmed_headers(django), executor=self.executor)
+        self.django = django
+        self.multiprocess = multiprocess
         self.resource = resource
         self.resource_paths = resource_paths
         self.limits = limits
         self.stopping = False
-        self.peers: dict[Any, _Peer] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.connections: set[Connection] = set()
         self._security = security
         self._proxy_header = security.proxy_header_name()
-        self._idle = asyncio.Event()
 
-    # tornado's HTTPServerConnectionDelegate
-    def start_request(self, server_connection: Any, request_connection: Any) -> Any:
-        peer = self.peers.get(server_connection)
-        if peer is None:
-            peer = self.peers[server_connection] = _Peer(server_connection)
-            self._idle.clear()
-        peer.connection = request_connection
-        peer.enter(HEAD)
-        if self.stopping:
-            self.spawn(server_connection.close())
-        return _Exchange(self, peer, request_connection)
+    def server(self) -> web.Server:
+        """aiohttp's protocol factory, making our `Connection`s with the limits."""
+        site = self
+        options = {**self.limits.parser_options(), "access_log": None}
 
-    def on_close(self, server_connection: Any) -> None:
-        self.peers.pop(server_connection, None)
-        if not self.peers:
-            self._idle.set()
+        class Server(web.Server):
+            def __call__(self) -> Connection:
+                return Connection(self, site, loop=asyncio.get_running_loop(), **options)
+
+        return Server(self.handle)
 
     async def in_thread(self, work: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, work)
 
-    def spawn(self, work: Awaitable[None]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(work)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+    # ---------------------------------------------------------------- one request
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """aiohttp's handler: answer one request whose head was read; never raises."""
+        started = time.perf_counter()
+        connection: Connection = request.protocol  # type: ignore[assignment]
+        close = False
+        try:
+            answer = self.limit_refusal(request)
+            if answer is not None:
+                close = True
+            else:
+                answer, close = await self._answer(request, connection)
+        except web.RequestPayloadError:  # a malformed chunked body
+            answer, close = (400, [_TEXT], b"bad request\n"), True
+        except Exception as error:  # never leave the client waiting: answer 500
+            transport = request.transport
+            if isinstance(error, (ConnectionError, asyncio.IncompleteReadError)) and (
+                transport is None or transport.is_closing()
+            ):  # the client went away (or the sweep closed it): no one to answer
+                return web.Response(status=499)  # (aiohttp finds the connection closed)
+            log.exception("web.answer_failed", extra={"error_type": type(error).__name__})
+            answer, close = (500, [_TEXT], b"internal error\n"), True
+        status, headers, body = answer
+        if not _sendable(headers):
+            log.error("web.answer_unsendable", extra={"status": status})
+            status, headers, body, close = 500, [_TEXT], b"internal error\n", True
+        return await self.send(request, status, headers, body, started, close=close)
 
-    def security_headers(self, request_headers: Any) -> tuple[tuple[str, str], ...]:
+    def limit_refusal(self, request: web.BaseRequest) -> Answer | None:
+        """The configured limits of a head aiohttp's parser took (within its own)."""
+        limits = self.limits
+        line = len(request.method) + len(request.raw_path) + 10  # two spaces, "HTTP/1.1"
+        if line > limits.max_request_line:
+            return 414, [_TEXT], b"request line too long\n"
+        raw = request.raw_headers
+        if len(raw) > limits.max_headers:
+            return 431, [_TEXT], b"too many header fields\n"
+        # Each line with its CRLF (a field's ": " too), and the empty line that ends the head.
+        head = line + 4 + sum(len(name) + len(value) + 4 for name, value in raw)
+        if head > limits.max_head_bytes:
+            return 431, [_TEXT], b"request head too large\n"
+        return None
+
+    async def _answer(
+        self, request: web.BaseRequest, connection: Connection
+    ) -> tuple[Answer, bool]:
+        """(the answer, whether to close the connection after it)."""
+        method = request.method
+        target = request.raw_path
+        path = unquote(target.partition("?")[0])
+        route = self.resource
+        if route is not None and not self.resource_paths.fullmatch(path):
+            route = None
+        length = request.content_length
+        if length is not None and length > self.limits.max_body_bytes:
+            return (400, [_TEXT], b"body too large\n"), True
+        if route is not None:
+            early = route.refusal(method, path, request.headers.get)
+            if early is not None:
+                return early, False  # aiohttp reads and drops the body (lingering_time)
+        body = await self._body(request, connection)
+        if body is None:
+            return (400, [_TEXT], b"body too large\n"), True
+        if route is not None:
+            body = body[: route.max_body_bytes]
+            answer = await route.answer(method, path, request.headers.get, body, self.in_thread)
+            return answer, False
+        version = request.version
+        environ = wsgi_bridge.environ(
+            method=method,
+            target=target,
+            version=f"HTTP/{version.major}.{version.minor}",
+            headers=request.headers.items(),
+            body=body,
+            remote=request.remote or "",
+            server=self._server_address(request),
+            multiprocess=self.multiprocess,
+        )
+        status, _, headers, content = await self.in_thread(
+            lambda: wsgi_bridge.run(self.django, environ)
+        )
+        return (status, headers, content), False
+
+    async def _body(self, request: web.BaseRequest, connection: Connection) -> bytes | None:
+        """The body, read whole within WEB_MAX_BODY_BYTES (None beyond it); while it is not
+        all here the sweep holds the connection to WEB_BODY_SECONDS."""
+        if not request.body_exists:
+            return b""
+        content = request.content
+        length = request.content_length
+        if length is not None and content.is_eof():  # all here with the head: no wait
+            return await content.readexactly(length)
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        connection.enter(BODY)
+        try:
+            if length is not None:
+                return await content.readexactly(length)
+            chunks = bytearray()
+            while not content.is_eof():
+                chunks += await content.readany()
+                if len(chunks) > self.limits.max_body_bytes:
+                    return None
+            return bytes(chunks)
+        finally:
+            connection.enter(BUSY)
+
+    @staticmethod
+    def _server_address(request: web.BaseRequest) -> tuple[str, int]:
+        transport = request.transport
+        address = transport.get_extra_info("sockname") if transport is not None else None
+        if isinstance(address, tuple) and len(address) >= 2:
+            return str(address[0]), int(address[1])
+        return "localhost", 0
+
+    # ---------------------------------------------------------------- every answer
+    async def send(
+        self,
+        request: web.BaseRequest,
+        status: int,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        started: float,
+        *,
+        close: bool,
+    ) -> web.StreamResponse:
+        """Write one answer with the security headers and a Server header of ours, close
+        the connection after it if asked (or stopping), log and count it."""
+        response = web.Response(status=status, body=body, headers=[_SERVER, *headers])
+        if self.finish(response, request, started, len(body), close=close):
+            with contextlib.suppress(ConnectionError):
+                await response.prepare(request)
+                await response.write_eof()
+        return response
+
+    def finish(
+        self,
+        response: web.StreamResponse,
+        request: web.BaseRequest,
+        started: float,
+        sent: int,
+        *,
+        close: bool,
+    ) -> bool:
+        """Our part of every answer: the security headers, `Connection: close` when the
+        connection ends after it, the access line, the count. False: the client is gone."""
+        fields = response.headers
         secure = False
         if self._proxy_header is not None:
-            secure = self._security.is_secure(request_headers.get(self._proxy_header))
-        return self._security.security_headers(secure)
-
-    def answered(self, exchange: _Exchange) -> None:
-        """The answer is written (maybe not yet flushed): logged, counted, and watched."""
+            secure = self._security.is_secure(request.headers.get(self._proxy_header))
+        for name, value in self._security.security_headers(secure):
+            fields[name] = value
+        if close or self.stopping:
+            response.force_close()
         from relay import metrics
 
-        answer = exchange.answer
-        elapsed = time.perf_counter() - exchange.started
-        start_line = exchange.start_line
-        metrics.count_request(exchange.path, start_line.method, answer.status, elapsed)
+        method = request.method
+        target = request.raw_path
+        elapsed = time.perf_counter() - started
+        metrics.count_request(unquote(target.partition("?")[0]), method, response.status, elapsed)
         if access_log.isEnabledFor(logging.INFO):
+            version = request.version
             access_log.info(
-                '%s "%s %s %s" %d %d',
-                answer.context.remote_ip,
-                start_line.method,
-                start_line.path,
-                start_line.version,
-                answer.status,
-                answer.sent,
-                extra={"status": answer.status, "ms": round(elapsed * 1000, 2)},
+                '%s "%s %s HTTP/%d.%d" %d %d',
+                request.remote,
+                method,
+                target,
+                version.major,
+                version.minor,
+                response.status,
+                0 if method == "HEAD" else sent,
+                extra={"status": response.status, "ms": round(elapsed * 1000, 2)},
             )
-        flushed = answer.flushed
-        if flushed is None or flushed.done():
-            self._flushed(exchange)
-            return
-        exchange.peer.enter(FLUSH)  # the sweep ends it if the socket takes too long
-        flushed.add_done_callback(lambda _: self._flushed(exchange))
+        transport = request.transport
+        return transport is not None and not transport.is_closing()
 
-    def _flushed(self, exchange: _Exchange) -> None:
-        if exchange.peer.phase != HEAD:  # (the next request may have begun already)
-            exchange.peer.enter(IDLE)
-        if exchange.close:
-            exchange.connection.close()
-
+    # ---------------------------------------------------------------- deadlines and stop
     async def sweep(self) -> None:
-        """Once a second: connections past the deadline of what they do are closed, those
-        that do not take their answer hard (RST). One pass over the connections instead of
-        a timer per request."""
+        """Twice a second: a body past WEB_BODY_SECONDS closes its connection; an answer the
+        socket has not taken WEB_FLUSH_SECONDS after it began to wait closes it hard (RST).
+        One pass over the connections instead of a timer per request."""
         limits = self.limits
-        deadlines = {
-            HEAD: limits.head_seconds,
-            BODY: limits.body_seconds,
-            FLUSH: limits.flush_seconds,
-        }
         while True:
             await asyncio.sleep(SWEEP_SECONDS)
             now = time.monotonic()
-            for peer in list(self.peers.values()):
-                limit = deadlines.get(peer.phase)
-                if limit is None or now - peer.since <= limit or peer.connection is None:
+            for connection in list(self.connections):
+                wire = connection.wire
+                if wire is None:
                     continue
-                if peer.phase == FLUSH:
-                    log.warning("web.flush_timeout", extra={"seconds": limits.flush_seconds})
-                    _hard_close(peer.connection)
-                peer.connection.close()
-                peer.enter(IDLE)
+                if wire.get_write_buffer_size():
+                    if connection.flush_since is None:
+                        connection.flush_since = now
+                    elif now - connection.flush_since > limits.flush_seconds:
+                        log.warning("web.flush_timeout", extra={"seconds": limits.flush_seconds})
+                        hard_close(wire)
+                        continue
+                else:
+                    connection.flush_since = None
+                if connection.phase == BODY and now - connection.since > limits.body_seconds:
+                    connection.enter(IDLE)
+                    wire.close()
 
-    async def stop(self, server: Any) -> None:
+    async def stop(self, listeners: Sequence[asyncio.AbstractServer], server: web.Server) -> None:
         """Stop accepting; close idle connections at once and the others once their answer
-        is out; wait for them, at most WEB_GRACEFUL_SECONDS."""
+        is out (with `Connection: close`); wait for them, at most WEB_GRACEFUL_SECONDS."""
         self.stopping = True
-        server.stop()
-        for peer in list(self.peers.values()):
-            if not peer.busy:
-                self.spawn(peer.server_connection.close())
-        if self.peers:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), self.limits.graceful_seconds)
-        for peer in list(self.peers.values()):
-            self.spawn(peer.server_connection.close())
+        for listener in listeners:
+            listener.close()
+        server.pre_shutdown()
+        await server.shutdown(self.limits.graceful_seconds)
+        for connection in list(self.connections):  # answers not taken within the time
+            if connection.wire is not None and connection.wire.get_write_buffer_size():
+                hard_close(connection.wire)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _trimmed_headers(application: Callable[..., Any]) -> Callable[..., Any]:
-    """The WSGI application with its header values trimmed: Django writes each Set-Cookie
-    value with a leading space (`cookie.output(header="")`), which the wire allows around a
-    value but Tornado's HTTPHeaders refuses as part of one (every answer setting a cookie
-    would fail)."""
-
-    def trimmed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        def start(status: str, headers: list[tuple[str, str]], *exc_info: Any) -> Any:
-            return start_response(
-                status, [(name, value.strip()) for name, value in headers], *exc_info
-            )
-
-        return application(environ, start)
-
-    return trimmed
+def hard_close(transport: asyncio.Transport) -> None:
+    """Close now, dropping what was not sent, and reset the connection (RST): nothing waits
+    for a client that stopped reading."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
-class _Context:
-    """What tornado's HTTPServerRequest reads of a connection (`request.remote_ip`)."""
-
-    __slots__ = ("address", "protocol", "remote_ip")
-
-    def __init__(self, address: Any) -> None:
-        self.address = address
-        self.remote_ip = address[0] if isinstance(address, tuple) and address else "0.0.0.0"
-        self.protocol = "http"
-
-    def __str__(self) -> str:
-        return self.remote_ip
-
-
-class WebServer(TCPServer):
-    """Tornado's HTTP/1.1 connections (HTTP1ServerConnection) for the site's requests, with
-    the limits as Tornado names them. Its deadlines are the site's sweep rather than a timer
-    per request: one pass a second costs less than a timer set and cancelled per request."""
-
-    def __init__(self, site: Site) -> None:
-        limits = site.limits
-        super().__init__(
-            # What it may read ahead: one chunk beyond the head, however fast a client
-            # pipelines.
-            max_buffer_size=limits.max_head_bytes + 2 * CHUNK_BYTES,
-            read_chunk_size=CHUNK_BYTES,
-        )
-        self.site = site
-        self.params = HTTP1ConnectionParameters(
-            chunk_size=CHUNK_BYTES,
-            max_header_size=limits.max_head_bytes,
-            max_body_size=limits.max_body_bytes,
-        )
-
-    def handle_stream(self, stream: Any, address: Any) -> None:
-        HTTP1ServerConnection(stream, self.params, _Context(address)).start_serving(self.site)
+def bind_sockets(port: int, host: str, backlog: int = 1024) -> list[socket.socket]:
+    """The listening sockets for `host` (every address it resolves to), before the fork."""
+    sockets: list[socket.socket] = []
+    for family, kind, proto, _, address in socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        if port == 0 and sockets:  # the same free port on every address
+            address = (address[0], sockets[0].getsockname()[1], *address[2:])
+        sock.bind(address)
+        sock.setblocking(False)
+        sock.listen(backlog)
+        sockets.append(sock)
+    return sockets
 
 
 async def serve(
@@ -507,12 +492,17 @@ async def serve(
 ) -> None:
     """Serve on `sockets` until `stop` is set, then stop gracefully."""
     site = site_factory()
-    server = WebServer(site)
-    server.add_sockets(sockets)
+    server = site.server()
+    loop = asyncio.get_running_loop()
+    listeners = [await loop.create_server(server, sock=sock) for sock in sockets]
     sweep = asyncio.ensure_future(site.sweep())
-    await stop.wait()
-    await site.stop(server)
-    sweep.cancel()
+    try:
+        await stop.wait()
+        await site.stop(listeners, server)
+    finally:
+        sweep.cancel()
+        for sock in sockets:  # uvloop serves a duplicate: this one must go too
+            sock.close()
 
 
 def _site() -> Site:
@@ -520,12 +510,14 @@ def _site() -> Site:
     from relay import conf
     from relay.unifiedpush import http as unifiedpush_http
 
+    current = conf.current()
     site = Site(
         django=application,
         resource=unifiedpush_http.PushResource(),
         resource_paths=unifiedpush_http.PATHS,
         limits=Limits.from_conf(),
-        threads=conf.current().web_threads,
+        threads=current.web_threads,
+        multiprocess=current.web_workers > 1,
     )
     gc.collect()
     gc.freeze()  # the application lives as long as the worker: out of the full collections
@@ -541,7 +533,7 @@ def _worker(sockets: list[socket.socket]) -> int:
         log.info("web.worker_started", extra={"pid": os.getpid()})
         await serve(sockets, _site, stop)
 
-    uvloop.run(run())  # asyncio's loop in C: less CPU per request than asyncio's own
+    uvloop.run(run())  # asyncio's loop in C
     log.info("web.worker_stopped", extra={"pid": os.getpid()})
     return 0
 

@@ -245,9 +245,10 @@ CONTENT_SECURITY_POLICY = {
 }
 
 # --- Celery: a broker that needs no server process unless CELERY_BROKER_URL says otherwise.
-# The embedded broker (relay/broker.py) leases messages like Redis does, so a killed worker
-# loses nothing; its own file, since kombu's plain `sqla+sqlite://` keeps every message it
-# ever handed out as a hidden row, which a lease would take as unacknowledged.
+# Production runs RabbitMQ (amqp://, docs/broker.md). The embedded broker (relay/broker.py)
+# leases messages, so a killed worker loses nothing; its own file, since kombu's plain
+# `sqla+sqlite://` keeps every message it ever handed out as a hidden row, which a lease
+# would take as unacknowledged.
 CELERY_BROKER_URL = (
     ENV.celery_broker_url or f"sqlrelay+sqlite:///{VAR_DIR / 'relay-broker.sqlite3'}"
 )
@@ -271,21 +272,25 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # after 100 attempts, about 45 minutes, and the worker exits).
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
-if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
-    CELERY_BROKER_TRANSPORT_OPTIONS = {
-        # An unacknowledged send comes back after this many seconds; it must exceed the
-        # longest retry delay, since delayed sends wait unacknowledged in a worker.
-        "visibility_timeout": ENV.celery_visibility_timeout,
-        # A worker renews its lease every few seconds; once it has not for this long (it was
-        # killed, or lost the broker), any worker gives back the sends it held
-        # (relay/redis_broker.py): a dead worker's sends return after this, not after the
-        # visibility timeout.
-        "lease_seconds": ENV.celery_worker_lease_seconds,
-        "socket_connect_timeout": 2,
-        "socket_timeout": 5,
-    }
+if CELERY_BROKER_URL.startswith(("amqp://", "amqps://", "pyamqp://")):
+    from relay import broker as _broker
+
+    # RabbitMQ (docs/broker.md): one quorum queue, replicated on every node, through a topic
+    # exchange (Celery's native delayed delivery needs one for countdowns on quorum queues).
+    CELERY_TASK_QUEUES = [_broker.send_queue(ENV)]
+    CELERY_TASK_DEFAULT_QUEUE = ENV.celery_queue
+    CELERY_TASK_DEFAULT_EXCHANGE = ENV.celery_queue
+    CELERY_TASK_DEFAULT_EXCHANGE_TYPE = "topic"
+    CELERY_TASK_DEFAULT_ROUTING_KEY = ENV.celery_queue
+    CELERY_TASK_DEFAULT_QUEUE_TYPE = "quorum"
+    CELERY_TASK_CREATE_MISSING_QUEUES = False
+    CELERY_BROKER_NATIVE_DELAYED_DELIVERY_QUEUE_TYPE = "quorum"
+    CELERY_WORKER_DETECT_QUORUM_QUEUES = True
+    # Every publisher waits for the broker's confirm: a worker's retry or record_outcomes
+    # published without one could be lost with the node that took it.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
 elif CELERY_BROKER_URL.startswith("sqlrelay+"):
-    # Same rule as Redis: an unacknowledged send comes back after this many seconds.
+    # An unacknowledged send comes back after this many seconds.
     CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": ENV.celery_visibility_timeout}
 # Publishing must fail fast so the gateway can answer `wait` instead of stalling.
 CELERY_TASK_PUBLISH_RETRY = True
@@ -309,12 +314,7 @@ RELAY = {
             "database_url": ENV.database_url or f"sqlite:///{VAR_DIR / 'push.sqlite3'}",
             "celery_broker_url": CELERY_BROKER_URL,
             # Where coalescing windows and token buckets live, shared by gateways and workers.
-            "state_url": ENV.state_url
-            or (
-                CELERY_BROKER_URL
-                if CELERY_BROKER_URL.startswith(("redis://", "rediss://"))
-                else f"sqlite:///{VAR_DIR / 'relay-state.sqlite3'}"
-            ),
+            "state_url": ENV.state_url or f"sqlite:///{VAR_DIR / 'relay-state.sqlite3'}",
             # On SQLite the sweep is the gateway's only wake-up (no NOTIFY): a short one.
             "unifiedpush_sweep_seconds": ENV.unifiedpush_sweep_seconds
             if ENV.given("unifiedpush_sweep_seconds")
@@ -363,7 +363,20 @@ CELERY_BEAT_SCHEDULE = {
         "task": "relay.remove_unused_registrations",
         "schedule": ENV.registration_cleanup_seconds,
     },
+    # Deferred sends (retries, coalescing windows) wait in the database until due.
+    "sweep-deferred-sends": {
+        "task": "relay.sweep_deferred_sends",
+        "schedule": ENV.deferred_sweep_seconds,
+        # A sweep that waited in a long queue is stale: the next one comes anyway.
+        "options": {"expires": max(10.0, 5 * ENV.deferred_sweep_seconds)},
+    },
 }
+if CELERY_BROKER_URL.startswith(("amqp://", "amqps://", "pyamqp://")):
+    # Sends past the delivery limit, made dead letters (relay/services/broker_dead_letters.py).
+    CELERY_BEAT_SCHEDULE["collect-broker-dead-letters"] = {
+        "task": "relay.collect_broker_dead_letters",
+        "schedule": 30.0,
+    }
 
 
 def _beat_time(name: str, value: str) -> tuple[int, int] | None:
@@ -402,7 +415,10 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "relay.logging.JsonFormatter"}},
-    "filters": {"mask_secrets": {"()": "relay.logging.MaskSecrets"}},
+    "filters": {
+        "mask_secrets": {"()": "relay.logging.MaskSecrets"},
+        "quiet_sweep": {"()": "relay.logging.QuietSweep"},
+    },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
@@ -416,15 +432,17 @@ LOGGING = {
         "django.request": {"filters": ["mask_secrets"]},
         "django.server": {"filters": ["mask_secrets"], "level": "INFO", "propagate": True},
         # The web process's access log (pushsite/server.py: one line per answer, every route)
-        # and Tornado's own lines ("Malformed HTTP message from …"); WSGIContainer's request
-        # lines would repeat the access log.
+        # and aiohttp's own lines ("Error handling request …", a parser's refusal quoting the
+        # request line); its access lines would repeat ours (the server turns them off too).
         "pushsite.access": {"filters": ["mask_secrets"]},
-        "tornado.general": {"filters": ["mask_secrets"]},
-        "tornado.application": {"filters": ["mask_secrets"]},
-        "tornado.access": {"level": "CRITICAL"},
+        "aiohttp.server": {"filters": ["mask_secrets"]},
+        "aiohttp.web": {"filters": ["mask_secrets"]},
+        "aiohttp.access": {"level": "CRITICAL"},
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
         "celery": {"level": LOG_LEVEL},
+        # Beat sends the deferred sweep every second: its line would be most of beat's log.
+        "celery.beat": {"filters": ["quiet_sweep"]},
         # Workers log through these handlers (CELERY_WORKER_HIJACK_ROOT_LOGGER off): Celery's
         # per-task lines would carry every job's arguments; delivery.done says what matters.
         "celery.worker.strategy": {"level": "WARNING"},

@@ -1,4 +1,12 @@
-"""The embedded Celery broker: kombu's SQLAlchemy transport with leases instead of hiding.
+"""The brokers: RabbitMQ's queues (production), and the embedded SQLite transport.
+
+RabbitMQ (docs/broker.md): the send tasks travel through ONE quorum queue (`send_queue`,
+replicated on every node, confirmed publishes, acknowledged late). A send delivered
+`CELERY_DELIVERY_LIMIT` times without an acknowledgement (a poison message that kills its
+worker each time) is dead-lettered, at least once, to `<queue>.dead` (`dead_letter_queue`),
+from where relay.collect_broker_dead_letters (beat) records it among the relay's dead letters.
+
+The embedded broker: kombu's SQLAlchemy transport with leases instead of hiding.
 
 kombu's own SQLAlchemy transport marks a message invisible when a worker takes it and never
 shows it again; acknowledgements live only in the worker's memory. A worker killed with
@@ -30,6 +38,7 @@ from json import loads
 from queue import Empty
 from typing import Any
 
+from kombu import Exchange, Queue
 from kombu.transport import sqlalchemy as kombu_sqlalchemy
 from kombu.transport import virtual
 from kombu.transport.sqlalchemy.models import metadata
@@ -38,6 +47,8 @@ from sqlalchemy import create_engine, delete, or_, select, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
+
+from relay.environment import Environment
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +77,51 @@ _ENGINES: dict[tuple[int, str], tuple[Engine, sessionmaker]] = {}
 
 
 def default_visibility_timeout() -> int:
-    return int(os.environ.get("CELERY_VISIBILITY_TIMEOUT") or DEFAULT_VISIBILITY_TIMEOUT)
+    return Environment().celery_visibility_timeout
+
+
+# --- RabbitMQ
+
+
+def dead_letter_name(queue: str) -> str:
+    return f"{queue}.dead"
+
+
+def send_queue(env: Environment) -> Queue:
+    """The quorum queue of the send tasks, behind a topic exchange of the same name (Celery's
+    native delayed delivery binds topic exchanges only). Declared by every worker and by the
+    gateway's publisher with these same arguments (RabbitMQ refuses a declaration that
+    differs: change them with a policy, docs/broker.md)."""
+    name = env.celery_queue
+    dead = dead_letter_name(name)
+    return Queue(
+        name,
+        Exchange(name, type="topic", durable=True),
+        routing_key=name,
+        durable=True,
+        queue_arguments={
+            "x-queue-type": "quorum",
+            "x-delivery-limit": env.celery_delivery_limit,
+            "x-dead-letter-exchange": dead,
+            "x-dead-letter-routing-key": dead,
+            # Dead-lettered with confirms between the queues: not lost if a node dies midway.
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",  # at-least-once dead-lettering requires it
+        },
+    )
+
+
+def dead_letter_queue(env: Environment) -> Queue:
+    """Where RabbitMQ puts a send past its delivery limit; nothing consumes it but the beat
+    task that records its messages as dead letters (so it is not in CELERY_TASK_QUEUES)."""
+    dead = dead_letter_name(env.celery_queue)
+    return Queue(
+        dead,
+        Exchange(dead, type="direct", durable=True),
+        routing_key=dead,
+        durable=True,
+        queue_arguments={"x-queue-type": "quorum"},
+    )
 
 
 def _utcnow() -> datetime.datetime:

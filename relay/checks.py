@@ -257,6 +257,24 @@ def retry_window_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     ]
 
 
+@register("relay")
+def broker_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The Redis broker is gone (its queue could lose the last second of sends with its host):
+    a redis:// broker URL would give kombu's own Redis transport, without the relay's
+    guarantees, so it is refused rather than run."""
+    url = conf.current().celery_broker_url
+    if not url.startswith(("redis://", "rediss://", "sentinel://")):
+        return []
+    return [
+        Error(
+            "CELERY_BROKER_URL: Redis is no longer a broker of the relay.",
+            hint="Run RabbitMQ (docs/broker.md); drain the Redis queue first "
+            "(manage.py drain_redis_broker) and keep Redis as RELAY_STATE_URL.",
+            id="relay.E140",
+        )
+    ]
+
+
 @register("relay", Tags.database)
 def state_store_check(
     app_configs: Any = None, databases: Any = None, **kwargs: Any

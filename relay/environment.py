@@ -166,9 +166,26 @@ class Environment(BaseSettings):
     postgres_password: str = var(
         "POSTGRES_PASSWORD",
         "",
-        "PostgreSQL's password; compose.yaml builds DATABASE_URL, CELERY_BROKER_URL and "
-        "CACHE_URL from its own services, so those below are for systemd (or any host "
-        "without compose).",
+        "PostgreSQL's password; compose.yaml builds DATABASE_URL, CELERY_BROKER_URL, "
+        "RELAY_STATE_URL and CACHE_URL from its own services, so those below are for systemd "
+        "(or any host without compose).",
+        group=Group.COMPOSE,
+        example="",
+        read_by="compose.yaml",
+    )
+    rabbitmq_password: str = var(
+        "RABBITMQ_PASSWORD",
+        "",
+        "The password of the relay's RabbitMQ user (`relay`) in compose.yaml's cluster.",
+        group=Group.COMPOSE,
+        example="",
+        read_by="compose.yaml",
+    )
+    rabbitmq_erlang_cookie: str = var(
+        "RABBITMQ_ERLANG_COOKIE",
+        "",
+        "The secret the three RabbitMQ nodes share to form one cluster (any long random "
+        "string, e.g. `openssl rand -hex 32`).",
         group=Group.COMPOSE,
         example="",
         read_by="compose.yaml",
@@ -224,9 +241,9 @@ class Environment(BaseSettings):
     web_max_head_bytes: int = var(
         "WEB_MAX_HEAD_BYTES",
         16384,
-        "What one request to the web process may be (docs/web.md): its head's bytes (beyond: "
-        "the connection is closed), its header fields (431), its request line (414), its body "
-        "(a longer Content-Length: 400, the connection closed).",
+        "What one request to the web process may be (docs/web.md): its head's bytes (431), "
+        "its header fields (431), its request line (414), each answered, then the connection "
+        "closed; its body (a longer one: 400 with Connection: close).",
         group=Group.PROCESSES,
     )
     web_max_headers: int = var("WEB_MAX_HEADERS", 100, "", group=Group.PROCESSES)
@@ -269,24 +286,40 @@ class Environment(BaseSettings):
     celery_broker_url: str = var(
         "CELERY_BROKER_URL",
         "",
-        "The Celery broker: Redis in production (redis://redis.internal:6379/0); the default "
-        "is a SQLite file that only processes on one host can share.",
+        "The Celery broker: RabbitMQ in production, every node of the cluster `;`-separated "
+        "(amqp://relay:PASSWORD@rabbit1.internal:5672//;amqp://relay:PASSWORD@rabbit2.internal"
+        ":5672//; docs/broker.md); the default is a SQLite file that only processes on one "
+        "host can share.",
         group=Group.STORES,
         shown="sqlrelay+sqlite:///VAR_DIR/relay-broker.sqlite3",
+    )
+    celery_queue: str = var(
+        "CELERY_QUEUE",
+        "relay.sends",
+        "RabbitMQ: the quorum queue (and topic exchange) the send tasks travel through; its "
+        "dead letters go to `<name>.dead`.",
+        group=Group.STORES,
+    )
+    celery_delivery_limit: int = var(
+        "CELERY_DELIVERY_LIMIT",
+        20,
+        "RabbitMQ: deliveries of one send (a worker killed while holding it counts) before "
+        "the queue dead-letters it to `<queue>.dead`, from where beat records it in the "
+        "dead letters (never dropped).",
+        group=Group.STORES,
+    )
+    celery_confirm_timeout: float = var(
+        "CELERY_CONFIRM_TIMEOUT",
+        2.0,
+        "RabbitMQ: seconds the gateway waits for the broker to confirm a publish (connecting "
+        "included) before it answers `wait`.",
+        group=Group.STORES,
     )
     celery_visibility_timeout: int = var(
         "CELERY_VISIBILITY_TIMEOUT",
         3600,
-        "Seconds before a send left unacknowledged by a dead worker is delivered again; must "
-        "exceed the longest retry delay (RELAY_SEND_RETRY_MAX_SECONDS).",
-        group=Group.STORES,
-    )
-    celery_worker_lease_seconds: float = var(
-        "CELERY_WORKER_LEASE_SECONDS",
-        15.0,
-        "Redis broker: a worker renews its lease every few seconds; once it has not for this "
-        "long (killed, cut off), any worker gives back the sends it held (docs/faults.md). "
-        "Redis must be 6.2 or later and run with appendonly yes.",
+        "The SQLite broker: seconds before a send left unacknowledged by a dead worker is "
+        "delivered again; must exceed the longest retry delay (RELAY_SEND_RETRY_MAX_SECONDS).",
         group=Group.STORES,
     )
     celery_db_reuse_max: int = var(
@@ -319,9 +352,10 @@ class Environment(BaseSettings):
         "RELAY_STATE_URL",
         "",
         "Coalescing windows and tenant token buckets, shared by gateways and workers: "
-        "redis://... when they run on several hosts, or sqlite:///path (one host).",
+        "redis://redis.internal:6379/2 when they run on several hosts, or sqlite:///path (one "
+        "host). Losing it loses no push (the broker holds them).",
         group=Group.STORES,
-        shown="the broker's Redis, or a SQLite file under VAR_DIR",
+        shown="a SQLite file under VAR_DIR",
     )
 
     # ------------------------------------------------------------ files and logs
@@ -587,6 +621,23 @@ class Environment(BaseSettings):
         0,
         "Worker threads one app may hold at once (0: three quarters of the worker's threads), "
         "so one tenant's stuck provider cannot take the pool; beyond it a send is deferred.",
+        group=Group.WORKERS,
+    )
+    deferred_sweep_seconds: float = var(
+        "RELAY_DEFERRED_SWEEP_SECONDS",
+        1.0,
+        "Deferred sends (retries, rate limits, coalescing windows) wait in the database; beat "
+        "publishes at most RELAY_DEFERRED_SWEEP_BATCH due ones every this many seconds, shared "
+        "between tenants, so a provider's backlog never floods the queue of fresh pushes.",
+        group=Group.WORKERS,
+    )
+    deferred_sweep_batch: int = var("RELAY_DEFERRED_SWEEP_BATCH", 200, "", group=Group.WORKERS)
+    deferred_queue_limit: int = var(
+        "RELAY_DEFERRED_QUEUE_LIMIT",
+        20,
+        "A sweep publishes nothing while more messages than this wait in the broker's send "
+        "queue: fresh pushes go first, the deferred ones follow once the workers catch up "
+        "(0: no limit).",
         group=Group.WORKERS,
     )
     breaker_stalls: int = var(
@@ -865,7 +916,7 @@ class Environment(BaseSettings):
     def broker_visibility_timeout(self) -> float | None:
         """Seconds an unacknowledged send waits before it is delivered again; None for a
         broker without one."""
-        if self.celery_broker_url.startswith(("redis://", "rediss://", "sqlrelay+")):
+        if self.celery_broker_url.startswith("sqlrelay+"):
             return float(self.celery_visibility_timeout)
         return None
 

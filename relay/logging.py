@@ -2,9 +2,9 @@
 
 UnifiedPush endpoint tokens are capabilities (whoever holds one can push to a phone) and
 arrive in request paths, which web servers and Django log (request lines, "Not Found: …",
-"Method Not Allowed: …", the web server's access log and Tornado's own lines). `mask_secrets`
+"Method Not Allowed: …", the web server's access log and aiohttp's own lines). `mask_secrets`
 is the one rule that removes them, applied by every log that may see a path: our formatter,
-and the filter on Django's request loggers, the access log and Tornado's loggers
+and the filter on Django's request loggers, the access log and aiohttp's loggers
 (settings.LOGGING).
 """
 
@@ -85,6 +85,17 @@ class MaskSecrets(logging.Filter):
         if record.stack_info:
             record.stack_info = mask_secrets(record.stack_info)
         return True
+
+
+class QuietSweep(logging.Filter):
+    """Drops beat's "Sending due task" line of the deferred sweep: it runs every second
+    (RELAY_DEFERRED_SWEEP_SECONDS) and would drown beat's other lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.args, tuple) and SWEEP_TASK in record.args)
+
+
+SWEEP_TASK = "relay.sweep_deferred_sends"
 
 
 class JsonFormatter(logging.Formatter):

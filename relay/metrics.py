@@ -90,6 +90,24 @@ DEAD_LETTERS = Counter(
     ["provider", "kind"],
 )
 DEAD_LETTERS_REPLAYED = Counter("relay_dead_letters_replayed", "Dead letters queued again.")
+DEFERRED = Counter(
+    "relay_deferred_sends_written",
+    "Sends deferred to the database for later (retries, rate limits, coalescing windows).",
+)
+DEFERRED_PUBLISHED = Counter(
+    "relay_deferred_sends_published",
+    "Deferred sends the sweep published to the broker once due (a sweep that crashed after "
+    "publishing publishes its rows again: at least once).",
+)
+DEFERRED_SWEEPS_HELD = Counter(
+    "relay_deferred_sweeps_held",
+    "Sweeps of deferred sends that published nothing because fresh pushes filled the send "
+    "queue (RELAY_DEFERRED_QUEUE_LIMIT).",
+)
+DEFERRED_SWEEP_FAILURES = Counter(
+    "relay_deferred_sweep_failures",
+    "Sweeps of deferred sends that published nothing because the broker refused (rows kept).",
+)
 IN_FLIGHT = Gauge(
     "relay_sends_in_flight",
     "Wake-ups being sent right now, by provider (waiting for a slot or for the provider).",
@@ -119,6 +137,8 @@ STATE_GAUGES = (
     "relay_credential_expiry_seconds",
     "relay_dead_letters_pending",
     "relay_queue_depth",
+    "relay_deferred_sends",
+    "relay_deferred_oldest_due_seconds",
     "relay_state_up",
 )
 

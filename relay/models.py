@@ -402,6 +402,26 @@ class DeadLetter(models.Model):
         return f"{self.provider} {self.reason} {self.push_id}"
 
 
+class DeferredSend(models.Model):
+    """A send put off until `due` (a provider's outage or rate limit, a backoff, a coalescing
+    window): kept here, not as a broker countdown, and published by the sweep once due
+    (relay/services/deferred.py)."""
+
+    push_id = models.UUIDField(unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="deferred_sends")
+    app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="deferred_sends")
+    due = models.DateTimeField()
+    job = models.JSONField(help_text="The send job as it will be queued: no token, JID or body.")
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["due"]
+        indexes = [models.Index(fields=["due"]), models.Index(fields=["tenant", "due"])]
+
+    def __str__(self) -> str:
+        return f"{self.push_id} due {self.due.isoformat()}"
+
+
 class TenantStaffGroup(models.Model):
     """Binds an auth group to a tenant: the group's members are that tenant's own staff.
 

@@ -1,11 +1,12 @@
 """Celery entry points: parse the message, call the delivery service, keep the message safe.
 
 A send is acknowledged only after `deliver` returned (acks_late): a worker killed mid-send
-leaves the message unacknowledged, and the broker hands it to another worker (Redis: once
-the dead worker's lease expires, relay/redis_broker.py). The redelivered job keeps its push
-id, so it is told apart from a new push and its Delivery row is updated, not doubled. The same
-holds for a batch message (relay.send_pushes): it comes back whole, and every push in it
-keeps its id.
+leaves the message unacknowledged, and the broker hands it to another worker (RabbitMQ: once
+the dead worker's connection closes; the embedded broker: once its lease expires). A send
+delivered CELERY_DELIVERY_LIMIT times becomes a dead letter
+(relay/services/broker_dead_letters.py). The redelivered job keeps its push id, so it is
+told apart from a new push and its Delivery row is updated, not doubled. The same holds for
+a batch message (relay.send_pushes): it comes back whole, and every push in it keeps its id.
 
 A message is never acknowledged while what it carries exists nowhere else:
 
@@ -15,9 +16,14 @@ A message is never acknowledged while what it carries exists nowhere else:
 - the database does not answer after the sends (RecordPending): their bookkeeping goes to the
   broker as a relay.record_outcomes message, retried the same way;
 - the broker does not take either: the message is rejected with requeue, and if the broker
-  is away for that too, it stays unacknowledged in the broker, where the dead lease is found.
+  is away for that too, it stays unacknowledged in the broker, which redelivers it once the
+  connection it was delivered on is gone.
 
 Celery's own retry turns a failed publish into a reject WITHOUT requeue; `_defer` catches that.
+
+Only these database retries wait in the broker (a countdown): the database is what is missing.
+A send deferred for its provider (outage, Retry-After, quota, busy app) or a coalescing window
+waits in the database instead and is queued by beat's sweep (relay/services/deferred.py).
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ from typing import Any, NoReturn
 
 from celery import Task, shared_task
 from celery.exceptions import Reject
-from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
+from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from relay.providers.base import Outcome
-from relay.services import delivery
+from relay.services import broker_dead_letters, delivery
 from relay.services import provider_limits as limits
 from relay.services import provider_registry as registry
 from relay.services.queue import SEND_PUSH, SEND_PUSHES, SendJob
@@ -76,7 +82,7 @@ def _deliver(task: Task, messages: list[dict[str, Any]]) -> list[Outcome]:
     except delivery.RecordPending as pending:
         try:
             record_outcomes.apply_async(args=[pending.bookkeeping.to_message()])
-        except Exception as error:  # kombu, redis and socket errors: not queued
+        except Exception as error:  # kombu, amqp and socket errors: not queued
             # Keep the batch: sent again later with the same push ids (at-least-once).
             log.warning("delivery.record_not_queued", extra={"error_type": type(error).__name__})
             raise Reject(error, requeue=True) from error
@@ -137,6 +143,26 @@ def _close_providers(**_: object) -> None:
 # prefork children get the first; the threads and solo pools only the second.
 worker_process_shutdown.connect(_close_providers, weak=False)
 worker_shutdown.connect(_close_providers, weak=False)
+
+
+@worker_ready.connect
+def _declare_dead_letter_queue(**_: object) -> None:
+    """Before any send can pass its delivery limit, the queue it is dead-lettered to exists."""
+    broker_dead_letters.declare()
+
+
+@shared_task(name="relay.collect_broker_dead_letters", ignore_result=True)
+def collect_broker_dead_letters() -> int:
+    """Beat task: sends RabbitMQ dead-lettered, recorded as the relay's dead letters."""
+    return broker_dead_letters.collect()
+
+
+@shared_task(name="relay.sweep_deferred_sends", ignore_result=True)
+def sweep_deferred_sends() -> int:
+    """Beat task (every RELAY_DEFERRED_SWEEP_SECONDS): queue the deferred sends that are due."""
+    from relay.services import deferred
+
+    return deferred.sweep_due()
 
 
 @shared_task(name="relay.remove_unused_registrations", ignore_result=True)

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as clock
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import psycopg
 
 from tests.support.services import PrivatePostgres
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,20 +126,19 @@ class ReportDatabase:
         with psycopg.connect(self.replica_url if replica else self.url) as conn:
             return conn.execute(sql, params).fetchall()
 
-    def wait_for_replica(self, timeout: float = 15.0) -> None:
+    def wait_for_replica(self, timeout: float = 60.0) -> None:
         """Until the replica has replayed everything the primary wrote so far: up to the
         insert position (with synchronous_commit off, a commit can still be in the WAL
         buffers, past pg_current_wal_lsn(), when its statement returns)."""
         [(lsn,)] = self.rows("SELECT pg_current_wal_insert_lsn()::text")
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def replayed() -> bool:
             [(done,)] = self.rows(
                 "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,), replica=True
             )
-            if done:
-                return
-            assert time.monotonic() < deadline, "the replica did not catch up"
-            time.sleep(0.05)
+            return bool(done)
+
+        wait_until(replayed, timeout, "the replica catches up")
 
     # --- records ---------------------------------------------------------------------------
 

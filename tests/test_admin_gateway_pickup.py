@@ -20,7 +20,8 @@ from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     changeform_data,
 )
-from tests.support.processes import start_gateway, wait_until
+from tests.support.processes import start_gateway
+from tests.support.waiting import wait_until
 from tests.support.xmpp_client import COMPONENT_NS, STREAM_NS, RawXmppStream, StreamClosed
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("admin_settings")]

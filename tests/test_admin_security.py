@@ -8,9 +8,11 @@ one-hour timeout), and fifty failures from one proxy address locked every admin 
 from __future__ import annotations
 
 import re
-import time
+from datetime import timedelta
 
 import pytest
+from axes.models import AccessAttempt
+from django.db.models import F
 from django.test import Client
 from django.urls import reverse
 
@@ -61,8 +63,14 @@ def assert_logged_in(response, browser: Client) -> None:
     browser.logout()
 
 
+def age_login_failures(seconds: float) -> None:
+    """Move every recorded failure `seconds` into the past: the lockout counts from the
+    failure's time in axes' table (its public model), so the test needs no wall-clock wait."""
+    AccessAttempt.objects.update(attempt_time=F("attempt_time") - timedelta(seconds=seconds))
+
+
 def test_lockout_lasts_the_configured_time_and_no_longer(operator, settings):
-    settings.RELAY = {**settings.RELAY, "LOGIN_MAX_FAILURES": 3, "LOGIN_LOCKOUT_SECONDS": 2}
+    settings.RELAY = {**settings.RELAY, "LOGIN_MAX_FAILURES": 3, "LOGIN_LOCKOUT_SECONDS": 60}
     browser = Client()
     for _ in range(2):
         assert "Please enter the correct" in attempt(browser, "operator", "wrong").content.decode()
@@ -71,10 +79,14 @@ def test_lockout_lasts_the_configured_time_and_no_longer(operator, settings):
     assert_locked(locked)
     assert locked["Retry-After"] == "60"  # whole minutes, rounded up
     assert "_auth_user_id" not in browser.session
-    time.sleep(1.0)
-    # Trying during the lockout does not make it longer.
+    # 50 of the 60 seconds gone (10 s of margin for a slow machine): still locked, and trying
+    # during the lockout does not make it longer...
+    age_login_failures(50)
     assert_locked(attempt(browser, "operator", "wrong"))
-    time.sleep(1.3)
+    assert_locked(attempt(browser, "operator", STRONG_PASSWORD))
+    # ...so 61 s after the failure that locked, it is over (a lockout restarted by the attempt
+    # above would still have 49 s to go).
+    age_login_failures(11)
     assert_logged_in(attempt(browser, "operator", STRONG_PASSWORD), browser)
 
 

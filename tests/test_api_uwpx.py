@@ -550,9 +550,9 @@ def _cache_setting(kind: str, tmp_path) -> tuple[dict, dict[str, str]]:
             "LOCATION": str(location),
         }
         return setting, {"VAR_DIR": str(tmp_path), "CACHE_URL": ""}
-    broker = django_settings.CELERY_BROKER_URL
+    broker = django_settings.RELAY["STATE_URL"]
     prefix = f"test-{uuid.uuid4().hex}"
-    # The broker's Redis, with keys of our own (nothing is ever cleared).
+    # The state's Redis, with keys of our own (nothing is ever cleared).
     setting = {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": broker,
@@ -567,8 +567,8 @@ def _cache_setting(kind: str, tmp_path) -> tuple[dict, dict[str, str]]:
 )
 def test_device_limit_is_shared_across_processes(kind, settings, tmp_path):
     """Another process (a second web worker, the TLS listener) spends the same budget."""
-    if kind == "redis" and not settings.CELERY_BROKER_URL.startswith("redis"):
-        pytest.fail("the Redis variant needs CELERY_BROKER_URL=redis://… (make test sets it)")
+    if kind == "redis" and not settings.RELAY["STATE_URL"].startswith("redis"):
+        pytest.fail("the Redis variant needs RELAY_STATE_URL=redis://… (make test sets it)")
     setting, env = _cache_setting(kind, tmp_path)
     settings.CACHES = {"default": setting}
     settings.RELAY = settings.RELAY | {"UWPX_RATE_LIMIT_DEVICE": (3, 3600)}

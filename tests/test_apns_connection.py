@@ -23,6 +23,7 @@ from aioapns.exceptions import ConnectionClosed
 from relay.providers import apns_connection
 from tests.fakes.apns import FakeApns
 from tests.support.provider_fakes import APNS_TOPIC, start_apns
+from tests.support.waiting import async_wait_until
 
 TOPIC = APNS_TOPIC
 
@@ -67,13 +68,8 @@ def request(token: str) -> NotificationRequest:
     )
 
 
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
+async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    await async_wait_until(condition, timeout)
 
 
 def test_the_pool_dials_its_protocol_class_and_sends_its_host(fake, key_pem):

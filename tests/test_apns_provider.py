@@ -40,6 +40,7 @@ from tests.fakes.apns import (
     make_expired_certificate,
     make_p8_key,
 )
+from tests.support.waiting import wait_until
 
 TOPIC = "org.example.app"
 ACCOUNT = "ec164939a8485ee6b7f7871071a11c7bb18aead5"
@@ -288,13 +289,13 @@ def test_untrusted_server_certificate_is_retry_later(p8, make_provider, fake):
 def test_slow_answer_times_out_and_the_next_send_works(fake, p8, make_provider):
     provider = make_provider(token_config(fake, p8[0]), timeout=0.3)
     slow = token()
-    fake.respond(slow, delay=2.0)
+    fake.respond(slow, delay=30.0)  # far past the bound below: room for a loaded machine
 
     started = time.monotonic()
     result = provider.send(wakeup(slow))
 
     assert (result.outcome, result.error_code) == (Outcome.RETRY_LATER, "TIMEOUT")
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 10
     assert provider.send(wakeup(token())).outcome == Outcome.DELIVERED
 
 
@@ -434,12 +435,8 @@ def test_forked_child_gets_its_own_loop(provider, fake):
     assert len(fake.wait_for_requests(3)) == 3
 
 
-def _wait_until(condition, timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
+def _wait_until(condition, timeout: float = 30.0) -> None:
+    wait_until(condition, timeout, interval=0.01)
 
 
 # --- certificate auth ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from pushsite.celery import app as celery_app
-from relay import redis_broker, tasks
+from relay import amqp_publisher, tasks
 from relay.models import App, DeadLetter, Delivery, Registration, Service
 from relay.providers.base import Outcome, SendResult, Wakeup, send_each
 from relay.providers.fcm import FcmConfig, FcmProvider
@@ -26,7 +26,8 @@ from relay.services import delivery, queue, throttling
 from relay.services import provider_registry as registry
 from relay.services.publishing import Publish, Verdict, accept_publishes
 from tests.fakes.fcm import FakeFcm
-from tests.support.broker import QUEUE
+from tests.support.broker import queued_jobs_with_eta
+from tests.support.deferred import deferred_jobs
 from tests.support.provider_fakes import configure_fcm
 from xmppgateway.gateway import PublishBatcher
 from xmppgateway.handlers import Unavailable
@@ -43,28 +44,7 @@ class Message:
 
 def take_messages() -> list[Message]:
     """Every message waiting in the send queue, with its task name and ETA (consumed)."""
-    found: list[Message] = []
-    with celery_app.connection_for_read() as conn:
-        simple = conn.SimpleQueue(QUEUE)
-        try:
-            while True:
-                try:
-                    message = simple.get(block=False)
-                except simple.Empty:
-                    break
-                args, _kwargs, _embed = message.decode()
-                eta = message.headers.get("eta")
-                found.append(
-                    Message(
-                        message.headers["task"],
-                        args[0],
-                        datetime.fromisoformat(eta) if eta else None,
-                    )
-                )
-                message.ack()
-        finally:
-            simple.close()
-    return found
+    return [Message(queued.task, queued.job, queued.eta) for queued in queued_jobs_with_eta()]
 
 
 def relay_settings(**changes: object) -> override_settings:
@@ -140,20 +120,19 @@ def test_a_batch_with_mixed_verdicts_answers_each_publish(component, clean_state
         Verdict.ACCEPTED,
         Verdict.RATE_LIMITED,
     ]
-    messages = take_messages()
-    [now] = [m for m in messages if m.task == "relay.send_pushes"]
-    [later] = [m for m in messages if m.task == "relay.send_push"]
-    assert len(messages) == 2
+    [now] = messages = take_messages()
+    assert now.task == "relay.send_pushes"
     # ONE broker message for the sends that go out now, in publish order.
     assert [job["registration_id"] for job in now.args] == [first.pk, second.pk]
     assert [job["important"] for job in now.args] == [True, False]
     assert now.eta is None and all(job["queued"] and job["received"] for job in now.args)
     assert len({job["push_id"] for job in now.args}) == 2
-    # The repeat publish is the window's delayed send, in its own message with its due time.
-    assert later.args["registration_id"] == first.pk and later.args["coalesced"] is True
-    assert later.args["message_count"] == 5
-    assert later.eta is not None and later.eta > datetime.now(UTC)
-    assert "batch-token" not in repr(messages)
+    # The repeat publish is the window's delayed send: in the database until its due time.
+    [later] = deferred_jobs()
+    assert later.job["registration_id"] == first.pk and later.job["coalesced"] is True
+    assert later.job["message_count"] == 5
+    assert later.eta > datetime.now(UTC)
+    assert "batch-token" not in repr(messages) + repr(later)
 
 
 def test_a_batch_queues_one_message_per_app(component, clean_state):
@@ -181,8 +160,10 @@ def test_a_publish_folded_into_a_send_of_the_same_batch_is_accepted(component, c
         ]
     )
     assert verdicts == [Verdict.ACCEPTED] * 3
-    messages = take_messages()
-    assert sorted(m.task for m in messages) == ["relay.send_push", "relay.send_push"]
+    [message] = take_messages()
+    assert message.task == "relay.send_push" and message.args["coalesced"] is False
+    [delayed] = deferred_jobs()
+    assert delayed.job["coalesced"] is True
 
 
 def test_a_batch_the_broker_refuses_answers_all_wait_and_queues_nothing(
@@ -194,9 +175,10 @@ def test_a_batch_the_broker_refuses_answers_all_wait_and_queues_nothing(
         raise OSError("connection refused")
 
     with monkeypatch.context() as patched:
-        # Both ways a message reaches the broker: Celery's, and the direct write on Redis.
+        # Both ways a message reaches the broker: Celery's, and the confirmed direct write on
+        # RabbitMQ.
         patched.setattr(celery_app, "send_task", broker_down)
-        patched.setattr(redis_broker.TaskPublisher, "publish", broker_down)
+        patched.setattr(amqp_publisher.ConfirmedPublisher, "publish", broker_down)
         verdicts = accept_publishes(
             [
                 publish_for(first),
@@ -209,9 +191,11 @@ def test_a_batch_the_broker_refuses_answers_all_wait_and_queues_nothing(
     assert take_messages() == []
     # The delayed send that was never queued was abandoned: the next publish schedules a
     # new one instead of folding into nothing.
+    assert deferred_jobs() == []
     assert accept_publishes([publish_for(first)]) == [Verdict.ACCEPTED]
-    [message] = take_messages()
-    assert message.task == "relay.send_push" and message.args["coalesced"] is True
+    assert take_messages() == []
+    [delayed] = deferred_jobs()
+    assert delayed.job["coalesced"] is True
 
 
 def test_a_single_publish_is_a_batch_of_one_on_the_single_task(component, clean_state):
@@ -378,13 +362,12 @@ def test_the_batch_task_records_every_outcome_per_item(component, fcm_app):
     assert failed.dead_since is None and failed.last_push is None
     [letter] = DeadLetter.objects.all()
     assert str(letter.push_id) == jobs[3].push_id and letter.reason.startswith("failed: ")
-    # The retry is re-queued alone, with its push id, the next attempt and a delay.
-    [message] = take_messages()
-    assert message.task == "relay.send_push"
-    assert message.args["push_id"] == jobs[2].push_id and message.args["attempt"] == 2
+    # The retry is deferred alone, with its push id, the next attempt and a delay.
+    assert take_messages() == []
+    [retry] = deferred_jobs()
+    assert retry.job["push_id"] == jobs[2].push_id and retry.job["attempt"] == 2
     # The delay is drawn with full jitter up to the base: it may be short, never in the past.
-    assert message.eta is not None
-    assert before <= message.eta <= datetime.now(UTC) + timedelta(seconds=30)
+    assert before <= retry.eta <= datetime.now(UTC) + timedelta(seconds=30)
     # The provider saw each push id once (the already dead and the gone ones not at all).
     sent = sorted(r.message["data"]["push_id"] for r in fcm_app.requests)
     assert sent == sorted(job.push_id for job in jobs[:4])
@@ -405,8 +388,10 @@ def test_a_redelivered_batch_updates_its_rows_and_retries_with_the_same_push_ids
     rows = list(Delivery.objects.values_list("push_id", "outcome", "attempts"))
     assert sorted(str(p) for p, _, _ in rows) == sorted(job.push_id for job in jobs)
     assert {outcome for _, outcome, _ in rows} == {Outcome.DELIVERED}
-    [retry] = take_messages()
-    assert retry.args["push_id"] == jobs[3].push_id and retry.args["attempt"] == 2
+    # The first pass deferred the retry (one row per push id: a second deferral moves it).
+    assert take_messages() == []
+    [retry] = deferred_jobs()
+    assert retry.job["push_id"] == jobs[3].push_id and retry.job["attempt"] == 2
     per_push: dict[str, int] = {}
     for request in fcm_app.requests:
         push_id = request.message["data"]["push_id"]
@@ -434,8 +419,9 @@ def test_a_coalesced_send_in_a_batch_claims_what_was_folded(component, fcm_app):
     accept_publishes([publish_for(registration)])
     accept_publishes([publish_for(registration, important=False, message_count=2)])
     accept_publishes([publish_for(registration, important=False, message_count=7)])
-    messages = take_messages()
-    [scheduled] = [m.args for m in messages if m.args.get("coalesced") is True]
+    take_messages()
+    [scheduled] = [queued.job for queued in deferred_jobs()]
+    assert scheduled["coalesced"] is True
     other = make_registration(component, 71)
     jobs = [queue.SendJob.from_message(scheduled), job_for(other.pk)]
     assert delivery.deliver_many(jobs) == [Outcome.DELIVERED, Outcome.DELIVERED]

@@ -24,7 +24,8 @@ from relay.models import ComponentLink, Delivery, Registration
 from tests.fakes.fcm import FakeFcm
 from tests.support.admin import admin_settings  # noqa: F401 -- fixture
 from tests.support.ports import free_port
-from tests.support.processes import start_gateway, start_worker, wait_until
+from tests.support.processes import start_gateway, start_worker
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("admin_settings")]
 

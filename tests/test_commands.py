@@ -22,7 +22,8 @@ from tests.support.processes import ROOT, service_env, test_database_url
 
 pytestmark = pytest.mark.defaults
 
-OUR_APPS = {"relay", "xmppgateway"}
+# Every app of ours: the core, the feature apps inside relay/, the gateway.
+OUR_APPS = {"relay", "relay.unifiedpush", "relay.windows", "xmppgateway"}
 
 
 def test_every_argument_of_every_command_of_ours_has_help():
@@ -194,8 +195,8 @@ def test_an_unreachable_broker_fails_the_command_and_keeps_the_letter_pending():
     world = build_tenant("down")
     closed = free_port()
     broker = (
-        f"redis://127.0.0.1:{closed}/0"
-        if "redis" in service_env().get("CELERY_BROKER_URL", "")
+        f"amqp://guest:guest@127.0.0.1:{closed}//"
+        if "amqp" in service_env().get("CELERY_BROKER_URL", "")
         else f"sqlrelay+sqlite:///{ROOT}/var/missing-folder-{closed}/broker.sqlite3"
     )
     result = subprocess.run(

@@ -14,7 +14,7 @@ from django.core.checks import run_checks
 from django.test import override_settings
 
 from relay import conf
-from relay.checks import retry_window_check, state_store_check, web_check
+from relay.checks import broker_check, retry_window_check, state_store_check, web_check
 from relay.environment import Environment
 from tests.support.processes import ROOT
 
@@ -69,7 +69,7 @@ def test_a_malformed_value_is_refused_with_its_name():
 
 
 def visibility(seconds: float | None, **changes: object) -> set[str]:
-    broker = "amqp://nowhere//" if seconds is None else "redis://127.0.0.1:1/0"
+    broker = "amqp://nowhere//" if seconds is None else "sqlrelay+sqlite:///nowhere.sqlite3"
     with relay_settings(
         CELERY_BROKER_URL=broker, CELERY_VISIBILITY_TIMEOUT=seconds or 1, **changes
     ):
@@ -94,7 +94,7 @@ def test_the_settings_file_has_the_check_run_on_the_real_environment(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "CELERY_BROKER_URL"}}
     env.update(
         VAR_DIR=str(tmp_path),
-        CELERY_BROKER_URL=f"redis://127.0.0.1:{closed_port()}/0",
+        CELERY_BROKER_URL=f"sqlrelay+sqlite:///{tmp_path}/broker.sqlite3",
         CELERY_VISIBILITY_TIMEOUT="120",
         RELAY_SEND_RETRY_MAX_SECONDS="300",
     )
@@ -162,3 +162,11 @@ def test_the_defaults_pass_the_web_process_check():
 def test_a_web_setting_that_cannot_work_is_an_error(changes, code):
     with relay_settings(**changes):
         assert [message.id for message in web_check()] == [code]
+
+
+def test_a_redis_broker_is_refused_with_the_way_out():
+    with relay_settings(CELERY_BROKER_URL="redis://127.0.0.1:6379/0"):
+        [message] = broker_check()
+    assert message.id == "relay.E140" and "drain_redis_broker" in (message.hint or "")
+    with relay_settings(CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:5672//"):
+        assert broker_check() == []

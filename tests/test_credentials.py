@@ -706,7 +706,8 @@ def test_a_running_worker_uses_new_credentials_without_restart(
 
     from relay.models import Component, Registration
     from relay.services import queue
-    from tests.support.processes import start_worker, wait_until
+    from tests.support.processes import start_worker
+    from tests.support.waiting import wait_until
 
     fake_fcm.reset()
     account_a = fake_fcm.service_account("worker-a")

@@ -25,12 +25,14 @@ from relay.services import provider_registry as registry
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeReply, FakeWns
 from tests.support.broker import queued_jobs_with_eta
+from tests.support.deferred import deferred_jobs
 from tests.support.provider_fakes import (
     configure_apns,
     configure_fcm,
     configure_wns,
     start_apns,
 )
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -157,14 +159,15 @@ def test_every_outcome_class_for_each_provider(service, outcome, component, fake
 
     assert len(wire_requests(service, fakes, registration)) == 1
     registration.refresh_from_db()
-    requeued = queued_jobs_with_eta()
+    assert queued_jobs_with_eta() == []  # a retry waits in the database, not the broker
+    requeued = deferred_jobs()
     record = Delivery.objects.filter(push_id=job.push_id).first()
     letter = DeadLetter.objects.filter(push_id=job.push_id).first()
     if outcome == "retry_later":
         [retry] = requeued
         assert retry.job["push_id"] == job.push_id and retry.job["attempt"] == 2
         # Delayed by the backoff: full jitter may pick almost nothing, never the past.
-        assert retry.eta is not None and retry.eta >= before
+        assert retry.eta >= before
         assert record is None and letter is None  # nothing is final yet
         return
     assert requeued == []
@@ -207,7 +210,7 @@ def test_retry_after_is_honoured(component, fakes):
     fakes["fcm"].respond(registration.token, 503, retry_after=40)
     before = datetime.now(UTC)
     assert delivery.deliver(make_job(registration)) == Outcome.RETRY_LATER
-    [retry] = queued_jobs_with_eta()
+    [retry] = deferred_jobs()
     assert retry.eta >= before + timedelta(seconds=40)
 
 
@@ -217,7 +220,7 @@ def test_quota_error_without_retry_after_backs_off_for_the_quota_minimum(compone
     before = datetime.now(UTC)
     with relay_settings(SEND_QUOTA_MIN_SECONDS=45.0, SEND_RETRY_MAX_SECONDS=300.0):
         assert delivery.deliver(make_job(registration)) == Outcome.RETRY_LATER
-    [retry] = queued_jobs_with_eta()
+    [retry] = deferred_jobs()
     assert retry.eta >= before + timedelta(seconds=45)
 
 
@@ -242,7 +245,7 @@ def test_exhausted_retries_become_a_dead_letter(component, fakes):
     last = settings.RELAY["SEND_MAX_ATTEMPTS"]
     job = make_job(registration, attempt=last)
     assert delivery.deliver(job) == Outcome.FAILED
-    assert queued_jobs_with_eta() == []
+    assert queued_jobs_with_eta() == [] and deferred_jobs() == []
     letter = DeadLetter.objects.get(push_id=job.push_id)
     assert letter.reason == "retries exhausted: ServiceUnavailable"
     assert letter.attempts == last and letter.provider == Service.APNS
@@ -258,7 +261,7 @@ def test_a_wake_up_that_would_arrive_too_late_is_given_up(component, fakes):
     received = timezone.now() - timedelta(seconds=max_age - 60)  # 60 s left, 120 s asked
     job = make_job(registration, received=received.isoformat())
     assert delivery.deliver(job) == Outcome.FAILED
-    assert queued_jobs_with_eta() == []
+    assert queued_jobs_with_eta() == [] and deferred_jobs() == []
     assert DeadLetter.objects.get(push_id=job.push_id).reason == "too old: THROTTLED"
 
 
@@ -286,7 +289,7 @@ def test_a_stuck_provider_is_cut_off_and_its_pushes_end_as_dead_letters(componen
         jobs = [make_job(registration) for _ in range(4)]
         assert [delivery.deliver(job) for job in jobs] == [Outcome.RETRY_LATER] * 4
         assert len(fcm.requests_for(registration.token)) == 3  # the 4th never went out
-        retries = {queued.job["push_id"]: queued for queued in queued_jobs_with_eta()}
+        retries = {queued.job["push_id"]: queued for queued in deferred_jobs()}
         assert {job.push_id for job in jobs} == set(retries)
         assert all(queued.job["attempt"] == 2 for queued in retries.values())
         # The breaker's time left (60 s), spread over one more, is the send's Retry-After.
@@ -313,7 +316,7 @@ def test_a_send_deferred_for_a_busy_app_keeps_its_attempt(component, fakes):
         finally:
             stuck.release.set()
             holder.join(10)
-    [queued] = queued_jobs_with_eta()
+    [queued] = deferred_jobs()
     assert queued.job["push_id"] == job.push_id
     assert queued.job["attempt"] == settings.RELAY["SEND_MAX_ATTEMPTS"]
     # Back once the stuck send has timed out, not after an attempt's backoff.
@@ -322,17 +325,16 @@ def test_a_send_deferred_for_a_busy_app_keeps_its_attempt(component, fakes):
     assert wire_requests(Service.FCM, fakes, registration) == []
 
 
-def test_a_retry_that_cannot_be_queued_becomes_a_dead_letter(component, fakes, monkeypatch):
+def test_a_deferred_retry_waits_for_the_wal_flush(component, fakes):
+    """A deferred send is the only copy of its push once the broker message is acknowledged:
+    the batch that writes it commits durably (no `synchronous_commit off`), as for a dead
+    letter."""
     registration = make_registration(component, Service.FCM, fakes)
     fakes["fcm"].respond(registration.token, 503)
-
-    def broker_down(job, **kwargs):
-        raise queue.QueueUnavailable
-
-    monkeypatch.setattr(queue, "enqueue_send", broker_down)
-    job = make_job(registration)
-    assert delivery.deliver(job) == Outcome.FAILED
-    assert DeadLetter.objects.get(push_id=job.push_id).reason == "not re-queued: UNAVAILABLE"
+    with CaptureQueriesContext(connection) as deferring:
+        assert delivery.deliver(make_job(registration)) == Outcome.RETRY_LATER
+    [_] = deferred_jobs()
+    assert not any("synchronous_commit" in sql for sql in queries_sql(deferring))
 
 
 def test_a_batch_that_writes_a_dead_letter_waits_for_the_wal_flush(component, fakes):
@@ -636,25 +638,34 @@ def test_sends_beyond_an_apps_slots_wait_then_retry_later(fresh_limits):
     assert limits.in_flight(APP_1) == 0
 
 
-def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits):
+def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits, monkeypatch):
     """A stuck app holds at most MAX_THREADS_PER_APP threads: its next send is deferred after
     a moment (the thread goes back to the pool), and once the stuck send is SLOW_SECONDS old
     it is told to come back when that send has timed out; another app's send goes at once."""
+    # Longer than the product's half second: the first deferral must come while the stuck send
+    # is younger than this, which a loaded machine needs room for.
+    monkeypatch.setattr(limits, "SLOW_SECONDS", 2.0)
     limits.set_worker_threads(4)
     assert limits.max_threads_per_app() == 3  # a quarter stays free for the other apps
     stuck = BlockingProvider()
     results: list[SendResult] = []
     with relay_settings(MAX_THREADS_PER_APP=1, PROVIDER_TIMEOUT_SECONDS=5.0):
         try:
+            before_hold = time.monotonic()
             holder = hold(stuck, APP_1, results)
+            held_since = time.monotonic()  # the stuck send began between these two
             healthy = BlockingProvider()
             healthy.release.set()
             assert limits.send_group(healthy, [WAKEUP], APP_2) == [SendResult.delivered()]
             started = time.monotonic()
             busy = limits.send_group(stuck, [WAKEUP, WAKEUP], APP_1)
             waited = time.monotonic() - started
-            time.sleep(limits.SLOW_SECONDS)
+            wait_until(
+                lambda: time.monotonic() - held_since >= limits.SLOW_SECONDS,
+                what="the stuck send is SLOW_SECONDS old",
+            )
             slow = limits.send_group(stuck, [WAKEUP], APP_1)
+            stuck_for = time.monotonic() - before_hold  # at least the stuck send's age
         finally:
             stuck.release.set()
         holder.join(10)
@@ -666,7 +677,7 @@ def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits):
         limits.APP_IN_FLIGHT_CAP,
     )
     # Until the stuck send has timed out (5 s after it started), spread over one more.
-    assert 4.0 <= deferred.retry_after <= 10.0
+    assert max(limits.SLOW_SECONDS, 5.0 - stuck_for) <= deferred.retry_after <= 10.0
     assert stuck.sends == 1
 
 
@@ -688,9 +699,17 @@ def test_a_stalled_provider_opens_its_breaker_and_a_probe_closes_it(fresh_limits
     stalled = SendResult(Outcome.RETRY_LATER, "TIMEOUT")
     provider = BlockingProvider(stalled)
     provider.release.set()
-    with relay_settings(BREAKER_STALLS=3, BREAKER_SECONDS=0.3):
-        for _ in range(3):
+
+    def half_open() -> bool:
+        return not limits.breaker_open(APP_1)
+
+    # Two seconds open: what is checked while it is open takes milliseconds, with room for a
+    # loaded machine; then the test waits for it to half-open rather than sleeping past it.
+    with relay_settings(BREAKER_STALLS=3, BREAKER_SECONDS=2.0):
+        for _ in range(2):
             assert limits.send_group(provider, [WAKEUP], APP_1) == [stalled]
+        before_opening = time.monotonic()
+        assert limits.send_group(provider, [WAKEUP], APP_1) == [stalled]
         assert limits.breaker_open(APP_1) and not limits.breaker_open(APP_2)
         # Open: deferred without touching the provider, with the time left as Retry-After.
         [deferred] = limits.send_group(provider, [WAKEUP], APP_1)
@@ -698,14 +717,15 @@ def test_a_stalled_provider_opens_its_breaker_and_a_probe_closes_it(fresh_limits
             Outcome.RETRY_LATER,
             limits.PROVIDER_STALLED,
         )
-        assert 0 < deferred.retry_after <= 0.6  # the time left, spread over a cool-down
+        assert 0 < deferred.retry_after <= 4.0  # the time left, spread over a cool-down
         assert provider.sends == 3
-        time.sleep(0.35)
+        wait_until(half_open, timeout=30, what="the breaker half-opens")
+        assert time.monotonic() - before_opening >= 1.99  # not before its time
         # Half open: one probe of a batch goes out; it stalls again, so the breaker reopens.
         results = limits.send_group(provider, [WAKEUP, WAKEUP], APP_1)
         assert [r.error_code for r in results] == ["TIMEOUT", limits.PROVIDER_STALLED]
         assert provider.sends == 4 and limits.breaker_open(APP_1)
-        time.sleep(0.35)
+        wait_until(half_open, timeout=30, what="the breaker half-opens again")
         # Any answer, even a refusal, means the provider is not stuck: closed again.
         provider.answer = SendResult(Outcome.DEAD_TOKEN, "UNREGISTERED")
         assert limits.send_group(provider, [WAKEUP], APP_1)[0].outcome == Outcome.DEAD_TOKEN

@@ -29,8 +29,10 @@ import yaml
 from cryptography.fernet import Fernet
 
 from tests.support.ports import LOOPBACK, free_port
-from tests.support.processes import ROOT, ServiceProcess, wait_until
+from tests.support.processes import ROOT, ServiceProcess
+from tests.support.rabbitmq import PrivateRabbit
 from tests.support.services import PrivatePostgres, PrivateRedis
+from tests.support.waiting import wait_until
 
 UNITS_DIR = ROOT / "deploy" / "systemd"
 INSTALL_DIR = "/opt/push-relay"  # where the units (and the image) expect the checkout
@@ -240,6 +242,8 @@ def required_values() -> dict[str, str]:
         "ALLOWED_HOSTS": HOST,
         "CSRF_TRUSTED_ORIGINS": f"https://{HOST}",
         "POSTGRES_PASSWORD": "compose-test-password",
+        "RABBITMQ_PASSWORD": "rabbit-test-password",
+        "RABBITMQ_ERLANG_COOKIE": "c" * 32,
     }
 
 
@@ -256,7 +260,7 @@ def test_every_route_runs_the_same_five_processes_and_a_migration(tmp_path):
     result = compose_config(filled_env(**required_values()), tmp_path)
     assert result.returncode == 0, result.stderr
     services = json.loads(result.stdout)["services"]
-    assert set(services) == {*APP_SERVICES, "postgres", "redis"}
+    assert set(services) == {*APP_SERVICES, "postgres", "redis", "rabbit1", "rabbit2", "rabbit3"}
     for name in APP_SERVICES:
         assert normalized(services[name]["command"]) == unit_argv[name][0], name
     # The unit's migration also collects the static files, which the image does at build.
@@ -389,15 +393,23 @@ def test_the_compose_file_wires_databases_healthchecks_and_beat_once(tmp_path):
             assert needs == {
                 "postgres": "service_healthy",
                 "redis": "service_healthy",
+                "rabbit1": "service_healthy",
+                "rabbit2": "service_healthy",
+                "rabbit3": "service_healthy",
                 "migrate": "service_completed_successfully",
             }, name
     environment = services["web"]["environment"]
     assert environment["DATABASE_URL"] == (
         "postgres://relay:compose-test-password@postgres:5432/relay"
     )
-    assert environment["CELERY_BROKER_URL"].startswith("redis://redis:6379/")
+    # The broker: every node of the three-node RabbitMQ cluster, for failover.
+    nodes = environment["CELERY_BROKER_URL"].split(";")
+    assert nodes == [f"amqp://relay:rabbit-test-password@rabbit{n}:5672//" for n in (1, 2, 3)]
+    cookies = {services[f"rabbit{n}"]["environment"]["RABBITMQ_ERLANG_COOKIE"] for n in (1, 2, 3)}
+    assert cookies == {"c" * 32}, "one cookie: one cluster"
+    assert environment["RELAY_STATE_URL"].startswith("redis://redis:6379/")
     assert environment["CACHE_URL"].startswith("redis://redis:6379/")
-    assert environment["CACHE_URL"] != environment["CELERY_BROKER_URL"]
+    assert environment["CACHE_URL"] != environment["RELAY_STATE_URL"]
     assert services["uwpx"]["environment"]["UWPX_LISTEN_ADDRESS"] == "0.0.0.0"
     assert environment["WEB_BIND"] == "0.0.0.0:8000"  # inside the container: all interfaces
 
@@ -561,14 +573,15 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
     var_dir = folder / "var"
     var_dir.mkdir()
     web_port, gateway_probe_port, worker_probe_port = free_port(), free_port(), free_port()
-    with PrivatePostgres() as postgres, PrivateRedis() as redis:
+    with PrivatePostgres() as postgres, PrivateRedis() as redis, PrivateRabbit() as rabbit:
         database = postgres.create_database("relay")
         env_file = folder / "push-relay.env"
         env_file.write_text(
             filled_env(
                 **required_values(),
                 DATABASE_URL=database,
-                CELERY_BROKER_URL=redis.url(0),
+                CELERY_BROKER_URL=rabbit.url(),
+                RELAY_STATE_URL=redis.url(0),
                 CACHE_URL=redis.url(1),
                 WEB_BIND=f"{LOOPBACK}:{web_port}",
                 GATEWAY_PROBE_LISTEN=f"{LOOPBACK}:{gateway_probe_port}",

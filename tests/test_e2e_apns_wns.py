@@ -18,8 +18,9 @@ from relay.models import Component, ComponentLink, Delivery, LinkState, Service
 from relay.providers.base import Outcome
 from relay.services import throttling
 from tests.fakes.wns import FakeWns
-from tests.support.processes import start_gateway, start_worker, wait_until
+from tests.support.processes import start_gateway, start_worker
 from tests.support.provider_fakes import configure_apns, configure_wns, start_apns
+from tests.support.waiting import wait_until
 from tests.support.xmpp_client import form_values
 
 pytestmark = [pytest.mark.peers, pytest.mark.django_db(transaction=True)]

@@ -16,7 +16,8 @@ import pytest
 from relay.models import App, Component, ComponentLink, Delivery, Registration, Tenant
 from relay.windows import services as uwpx
 from tests.fakes.wns import FakeWns
-from tests.support.processes import start_gateway, start_worker, wait_until
+from tests.support.processes import start_gateway, start_worker
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

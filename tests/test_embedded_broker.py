@@ -31,7 +31,9 @@ from relay.models import Delivery
 from relay.providers.base import Outcome
 from relay.services.publishing import Verdict, accept_publish, accept_publishes
 from tests.fakes.fcm import FakeFcm
-from tests.support.processes import ROOT, ServiceProcess, service_env, wait_until, worker_argv
+from tests.support.deferred import swept
+from tests.support.processes import ROOT, ServiceProcess, service_env, worker_argv
+from tests.support.waiting import wait_until
 from tests.test_worker_kill import children_of, prepare_kill_run, push_ids_at_fake
 
 # The file-backed broker is the embedded defaults' own: the PostgreSQL suite has Redis instead.
@@ -285,14 +287,18 @@ def test_sigkill_mid_batch_loses_no_push_on_the_embedded_broker(
             fcm.wait_for_requests(2, timeout=60)  # sends are in flight (the fake holds them)
             assert Delivery.objects.count() < PUSHES
             if pool == "threads":
+                open_at_kill = fcm.open_connections()
                 workers[0].kill()
                 assert workers[0].process.returncode == -signal.SIGKILL
                 killed_at = time.monotonic()
-                # The killed worker's leases run out after the visibility timeout; then the
-                # next worker takes those messages again. Nothing sends meanwhile, so the
-                # fake has seen every send the killed worker made.
-                time.sleep(max(0.0, VISIBILITY_TIMEOUT + 1 - (time.monotonic() - killed_at)))
+                # What the worker wrote just before it died is recorded once the fake has read
+                # its connections to the end (slow under load).
+                fcm.wait_closed(open_at_kill, timeout=60)
                 sent_before_kill = set(push_ids_at_fake(fcm))
+                # The killed worker's leases run out after the visibility timeout; only then
+                # does the next worker take those messages again. (Time itself is the point
+                # here: waiting longer on a busy machine changes nothing.)
+                time.sleep(max(0.0, VISIBILITY_TIMEOUT + 1 - (time.monotonic() - killed_at)))
                 # It prefetches nothing beyond what it runs: its own leases (as short) must not
                 # run out while it holds them.
                 workers.append(
@@ -303,18 +309,21 @@ def test_sigkill_mid_batch_loses_no_push_on_the_embedded_broker(
                 children = children_of(parent)
                 assert children, "prefork children not found"
                 # The parent is paused, so no new child sends until the fake has recorded
-                # every request the killed children wrote (it may read one a moment later).
+                # every request the killed children wrote: it has once it read their
+                # connections to the end (slow under load).
                 os.kill(parent, signal.SIGSTOP)
                 try:
+                    open_at_kill = fcm.open_connections()
                     for child in children:
                         os.kill(child, signal.SIGKILL)
-                    wait_until(lambda: fake_is_quiet(fcm), timeout=30, interval=0)
+                    fcm.wait_closed(open_at_kill, timeout=60)
                     sent_before_kill = set(push_ids_at_fake(fcm))
                 finally:
                     os.kill(parent, signal.SIGCONT)
             with contextlib.suppress(TimeoutError):  # the assertions below say what is missing
                 wait_until(
-                    lambda: Delivery.objects.filter(outcome=Outcome.DELIVERED).count() >= PUSHES,
+                    # Sends deferred meanwhile (the app's threads busy) are swept as beat would.
+                    swept(lambda: delivered_count() >= PUSHES),
                     timeout=90,
                     interval=0.2,
                 )
@@ -347,14 +356,10 @@ def test_sigkill_mid_batch_loses_no_push_on_the_embedded_broker(
     assert all(len(ids) == 1 for ids in per_token.values())
 
 
-def fake_is_quiet(fcm: FakeFcm) -> bool:
-    before = fcm.send_count
-    time.sleep(0.5)
-    return fcm.send_count == before
-
-
 def broker_is_idle(fcm: FakeFcm, broker_url: str) -> bool:
     """No message is left in the broker and the fake saw no new request for a moment."""
-    before = fcm.send_count
-    time.sleep(1.0)
-    return broker_rows(broker_url) == 0 and fcm.send_count == before
+    return fcm.quiet_for(1.0) and broker_rows(broker_url) == 0
+
+
+def delivered_count() -> int:
+    return Delivery.objects.filter(outcome=Outcome.DELIVERED).count()

@@ -1,150 +1,146 @@
-"""relay/redis_broker.py against a real Redis of its own: the adapter over kombu's internals.
+"""The RabbitMQ queues the relay declares (relay/broker.py), against the session's broker:
 
-- a taken message is always somewhere in Redis: in the queue, in the taker's transit list, or
-  in the unacknowledged hash (indexed under the taker's lease);
-- an expired lease's messages (in transit, unacknowledged) go back to their queue, once;
-- a message whose pop reply was lost on a live channel goes back too;
-- closing a channel after the broker went away, as Celery does on a connection loss, no
-  longer kills the worker (kombu's own transport raises AttributeError there).
+- a send taken and not acknowledged comes back, marked redelivered, as soon as the consumer's
+  connection is gone (what a killed worker leaves behind), with nothing to wait for;
+- a send delivered CELERY_DELIVERY_LIMIT times without an acknowledgement (a poison message)
+  is dead-lettered to `<queue>.dead`, not dropped, and beat's task records it among the relay's
+  dead letters with its push id, replayable;
+- a message in the dead-letter queue that is not a send stays there for an operator.
 
-The worker processes are in test_faults.py.
+The worker processes are in test_faults.py and test_worker_kill.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
-from kombu import Connection, Consumer, Exchange, Queue
+from django.conf import settings
+from django.test import override_settings
+from kombu import Connection
 
-from relay import redis_broker
-from tests.support.services import PrivateRedis
+from pushsite.celery import app as celery_app
+from relay import broker, conf, tasks
+from relay.amqp_publisher import ConfirmedPublisher
+from relay.models import DeadLetter, Registration, Service
+from relay.services import broker_dead_letters, queue
+from tests.support.processes import wait_until
 
-QUEUE = "faults"
-STOCK = "kombu.transport.redis:Transport"
-LEASED = "relay.redis_broker:Transport"
+pytestmark = pytest.mark.skipif(
+    not str(celery_app.conf.broker_url).startswith("amqp://"),
+    reason="RabbitMQ's queues (the defaults suite's broker is the SQLite file)",
+)
+
+LIMIT = 2
 
 
 @pytest.fixture
-def server() -> Iterator[PrivateRedis]:
-    with PrivateRedis(durable=True) as instance:
-        yield instance
+def limited() -> Iterator[tuple[Any, ConfirmedPublisher]]:
+    """A send queue of its own with a delivery limit of 2, and a publisher for it."""
+    name = f"relay.limit-{uuid.uuid4().hex[:8]}"
+    with override_settings(
+        RELAY={**settings.RELAY, "CELERY_QUEUE": name, "CELERY_DELIVERY_LIMIT": LIMIT}
+    ):
+        env = conf.current()
+        publisher = ConfirmedPublisher(
+            str(celery_app.conf.broker_url),
+            queue=broker.send_queue(env),
+            declare=[broker.dead_letter_queue(env)],
+        )
+        yield env, publisher
+        publisher.close()
+        with Connection(str(celery_app.conf.broker_url)) as connection:
+            channel = connection.default_channel
+            channel.queue_delete(name)
+            channel.queue_delete(broker.dead_letter_name(name))
 
 
-def connect(server: PrivateRedis, transport: str = LEASED, **options: Any) -> Connection:
-    return Connection(
-        server.url(0),
-        transport=transport,
-        transport_options={"lease_seconds": 1.0, "socket_timeout": 2, **options},
+def take(env: Any, connection: Connection) -> Any:
+    """The next message of the queue, taken and not acknowledged."""
+    return connection.SimpleQueue(broker.send_queue(env)).get(timeout=10)
+
+
+def dead_letters_waiting(env: Any) -> int:
+    with Connection(str(celery_app.conf.broker_url)) as connection:
+        dead = connection.default_channel.queue_declare(
+            broker.dead_letter_name(env.celery_queue), passive=True
+        )
+        return int(dead.message_count)
+
+
+def registration_for(component: Any) -> Registration:
+    return Registration.objects.create(
+        app=component.app,
+        component=component,
+        service=Service.FCM,
+        device_hash=uuid.uuid4().hex + "00000000",
+        account_domain="localhost",
+        token=f"poison-{uuid.uuid4().hex}",
+        node=f"node-{uuid.uuid4().hex}",
+        secret="secret",
     )
 
 
-def publish(connection: Connection, *bodies: str) -> None:
-    queue = Queue(QUEUE, Exchange(QUEUE), routing_key=QUEUE)
-    with connection.Producer() as producer:
-        for body in bodies:
-            producer.publish(body, exchange=queue.exchange, routing_key=QUEUE, declare=[queue])
+def test_a_taken_send_comes_back_when_its_consumer_is_gone(limited):
+    env, publisher = limited
+    publisher.publish(queue.SEND_PUSH, [{"push_id": "p1"}])
+    first = Connection(str(celery_app.conf.broker_url))
+    message = take(env, first)
+    assert message.decode()[0] == [{"push_id": "p1"}]
+    assert not message.delivery_info["redelivered"]
+    first.close()  # gone with the message unacknowledged (as a killed worker's socket closes)
+    with Connection(str(celery_app.conf.broker_url)) as second:
+        again = take(env, second)
+        assert again.decode()[0] == [{"push_id": "p1"}]
+        assert again.delivery_info["redelivered"]
+        again.ack()
 
 
-def take(connection: Connection, count: int = 1) -> Any:
-    """The next message (or `count` of them), taken and not acknowledged."""
-    queue = connection.SimpleQueue(QUEUE)
-    messages = [queue.get(timeout=5) for _ in range(count)]
-    return messages[0] if count == 1 else messages
+@pytest.mark.django_db(transaction=True)
+def test_a_send_past_the_delivery_limit_becomes_one_of_our_dead_letters(limited, component):
+    env, publisher = limited
+    registration = registration_for(component)
+    push_id = str(uuid.uuid4())
+    job = queue.SendJob(
+        push_id=push_id,
+        registration_id=registration.pk,
+        publishing_domain="localhost",
+        important=True,
+        received="2026-01-01T00:00:00+00:00",
+    )
+    publisher.publish(queue.SEND_PUSH, [job.to_message()])
+    # Each delivery kills its consumer (as a poison message kills its worker).
+    with Connection(str(celery_app.conf.broker_url)) as connection:
+        simple = connection.SimpleQueue(broker.send_queue(env))
+        for _ in range(LIMIT + 1):
+            simple.get(timeout=10).requeue()
+        with pytest.raises(simple.Empty):
+            simple.get(timeout=2)  # past the limit: gone from the send queue
+        simple.close()
+    # ... and kept in the dead-letter queue (RabbitMQ moves it with confirms, a moment later).
+    wait_until(lambda: dead_letters_waiting(env) == 1, timeout=15)
+
+    assert tasks.collect_broker_dead_letters() == 1
+    letter = DeadLetter.objects.get(push_id=push_id)
+    assert letter.reason == broker_dead_letters.REASON
+    assert letter.registration_id == registration.pk and letter.replayed is None
+    assert letter.job["push_id"] == push_id  # replayable with the same push id
+    assert broker_dead_letters.collect() == 0  # acknowledged once recorded
 
 
-def keys(server: PrivateRedis) -> redis.Redis:
-    return redis.Redis.from_url(server.url(0))
-
-
-def test_a_taken_message_is_indexed_under_the_lease_until_acked(server):
-    with connect(server) as connection:
-        publish(connection, "one")
-        message = take(connection)
-        channel = message.channel
-        client = keys(server)
-        owner = channel.owner
-        assert owner and client.exists(redis_broker.lease_key(owner))
-        assert client.llen(redis_broker.transit_key(owner)) == 0  # moved on, in one MULTI
-        assert client.hkeys(redis_broker.held_key(owner)) == [message.delivery_tag.encode()]
-        assert client.hexists("unacked", message.delivery_tag)
-        message.ack()
-        assert client.hlen(redis_broker.held_key(owner)) == 0
-        assert client.hlen("unacked") == 0 and client.llen(QUEUE) == 0
-
-
-def test_an_expired_lease_gives_back_what_it_held(server):
-    client = keys(server)
-    with connect(server) as dead:
-        publish(dead, "held", "in transit")
-        held = take(dead)  # taken, never acknowledged
-        owner = held.channel.owner
-        # The second one popped at the very moment the worker died: moved, never recorded.
-        client.lmove(QUEUE, redis_broker.transit_key(owner), "RIGHT", "LEFT")
-        client.delete(redis_broker.lease_key(owner))  # the lease expired
-        with connect(server) as alive:
-            channel = alive.default_channel
-            channel._take_lease()
-            assert redis_broker.sweep(channel) == 1
-            assert redis_broker.sweep(channel) == 0  # once
-            bodies = sorted(message.payload for message in take(alive, 2))
-    assert bodies == ["held", "in transit"]
-    assert client.sismember(redis_broker.OWNERS_KEY, owner) == 0
-    assert client.llen(redis_broker.transit_key(owner)) == 0
-
-
-def test_a_live_lease_keeps_what_it_holds(server):
-    with connect(server) as worker, connect(server) as other:
-        publish(worker, "mine")
-        take(worker)
-        channel = other.default_channel
-        channel._take_lease()
-        assert redis_broker.sweep(channel) == 0
-        assert keys(server).llen(QUEUE) == 0
-
-
-def test_a_pop_whose_reply_was_lost_comes_back_on_a_live_channel(server):
-    with connect(server) as connection:
-        channel = connection.default_channel
-        channel._take_lease()
-        publish(connection, "stranded")
-        # As if a BLMOVE's reply had been lost with its connection.
-        keys(server).lmove(QUEUE, redis_broker.transit_key(channel.owner), "RIGHT", "LEFT")
-        assert channel.recover_stranded() == 1
-        assert take(connection).payload == "stranded"
-
-
-@pytest.mark.parametrize("transport", [STOCK, LEASED])
-def test_closing_after_the_broker_went_away_does_not_crash(server, transport):
-    """What Celery's consumer does on a connection loss: collect, then close. A worker has
-    several channels with a pop outstanding (tasks, control); the first to fail stops
-    `collect` from closing the others, and kombu's transport then raises AttributeError
-    ('hostname') while the task channel gives back a message it holds: the worker died."""
-    connection = connect(server, transport)
-    publish(connection, "unacknowledged")
-    take(connection)
-    control = connection.channel()
-    Consumer(control, [Queue("control", Exchange("control"), routing_key="control")]).consume()
-    with contextlib.suppress(socket.timeout):  # both pops are outstanding, as in a worker
-        connection.drain_events(timeout=0.1)
-    server.stop()
-    connection.collect(socket_timeout=0.5)
-    if transport == STOCK:
-        with pytest.raises(AttributeError, match="hostname"):
-            connection.close()
-        return
-    connection.close()
-    server.start()
-    # It could not be given back while the broker was away; once the lease has expired, any
-    # consumer gives it back.
-    time.sleep(1.2)
-    with connect(server) as again:
-        channel = again.default_channel
-        channel._take_lease()
-        assert redis_broker.sweep(channel) == 2  # the task channel's lease and the control's
-        assert take(again).payload == "unacknowledged"
+@pytest.mark.django_db(transaction=True)
+def test_a_dead_lettered_message_that_is_not_a_send_stays_for_an_operator(limited):
+    env, _publisher = limited
+    with Connection(str(celery_app.conf.broker_url)) as connection:
+        dead_queue = broker.dead_letter_queue(env)
+        connection.Producer().publish(
+            {"not": "a task"},
+            exchange=dead_queue.exchange,
+            routing_key=dead_queue.routing_key,
+            headers={"task": "someone.elses"},
+            declare=[dead_queue],
+        )
+    assert broker_dead_letters.collect() == 0
+    assert dead_letters_waiting(env) == 1

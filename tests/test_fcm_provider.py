@@ -218,7 +218,7 @@ def test_a_token_endpoint_that_never_answers_is_retry_later_within_the_timeout(m
 
         started = time.monotonic()
         assert provider.send(wakeup()) == SendResult(Outcome.RETRY_LATER, "OAUTH_NETWORK")
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 10  # 0.3 s, with room for a loaded machine
 
 
 # --- outcomes
@@ -362,11 +362,11 @@ def test_slow_fcm_is_retry_later_after_the_timeout(fake, make_provider):
     provider = make_provider(fake.service_account(), fake.url, timeout=0.3)
     provider.send(wakeup())  # fetch the access token first
     token = new_token()
-    fake.respond(token, delay=1.5)
+    fake.respond(token, delay=30.0)  # far past the bound below: room for a loaded machine
 
     started = time.monotonic()
     assert provider.send(wakeup(token)) == SendResult(Outcome.RETRY_LATER, "TIMEOUT")
-    assert time.monotonic() - started < 1.2
+    assert time.monotonic() - started < 10
 
 
 def test_nothing_secret_reaches_the_logs(fake, provider, caplog):
@@ -534,7 +534,7 @@ def test_fake_keeps_up_with_a_threaded_sender(fake, provider):
 
     assert all(r.outcome == Outcome.DELIVERED for r in results)
     assert fake.send_count == count
-    assert elapsed < 10, f"{count} sends took {elapsed:.1f}s"
+    assert elapsed < 60, f"{count} sends took {elapsed:.1f}s"
 
 
 def test_fake_runs_as_a_process(tmp_path):
@@ -672,7 +672,7 @@ def test_a_provider_for_google_sends_through_the_proxy_and_nothing_else(fake, pr
     try:
         started = time.monotonic()
         assert provider.send(wakeup()).outcome == Outcome.RETRY_LATER
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 10  # 0.3 s, with room for a loaded machine
         assert [r.rsplit(" ", 1)[0] for r in proxy.requests] == ["CONNECT fcm.googleapis.com:443"]
         assert new_threads(before) == []
         assert len(fake.token_grants) == 1

@@ -31,7 +31,8 @@ from relay.models import (
     Tenant,
 )
 from tests.fakes.fcm import FakeFcm
-from tests.support.processes import ServiceProcess, start_gateway, start_worker, wait_until
+from tests.support.processes import ServiceProcess, start_gateway, start_worker
+from tests.support.waiting import wait_until
 from tests.support.xmpp_client import RawXmppStream
 
 pytestmark = [pytest.mark.peers, pytest.mark.django_db(transaction=True)]
@@ -186,11 +187,11 @@ def test_the_survivor_takes_the_links_over_and_no_accepted_publish_is_lost(
         nodes = make_relay(prosody.component_port, fake)
         worker = start_worker(RELAY_COALESCE_SECONDS="0")
         a = gateway("gw-a")
-        wait_until(lambda: ComponentLink.objects.filter(state="up").count() == 3, timeout=30)
+        wait_until(lambda: ComponentLink.objects.filter(state="up").count() == 3, timeout=120)
         b = gateway("gw-b")  # a holds all three: it gives one up for b
         processes = [worker, a, b]
         try:
-            wait_until(all_up_and_spread, timeout=30, interval=0.2)
+            wait_until(all_up_and_spread, timeout=120, interval=0.2)
             victim_links = [jid for jid, holder in holders().items() if holder == "gw-a"]
             publisher = Publisher.connect(prosody.component_port, nodes)
             publisher.run_for(3.0)

@@ -19,7 +19,8 @@ from relay.models import App, Component, ComponentLink, Registration, Service, T
 from relay.services.registrations import register_device
 from tests.support import broker
 from tests.support.component_server import FakeXmppServer, error_of
-from tests.support.processes import start_gateway, wait_until
+from tests.support.processes import start_gateway
+from tests.support.waiting import wait_until
 
 # On the embedded defaults, the tests marked `defaults` below stand for the module: what the
 # others test does not depend on the database or the broker, and each starts a gateway.
@@ -126,7 +127,7 @@ def lab(request):
     broker.purge()
     gateway = start_gateway(**env)
     try:
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         yield Lab(server, gateway, component, registration)
         # Nothing a test sent may crash the gateway (a test may have stopped it on purpose).
         assert gateway.process.returncode in (None, 0), gateway.log_text()[-3000:]
@@ -286,14 +287,14 @@ def test_messages_and_presence_are_ignored_without_crashing(lab):
 
 def test_malformed_xml_from_the_server_makes_the_gateway_reconnect(lab):
     lab.server.send("<iq type='set' id='broken'><unclosed></iq>")
-    lab.server.wait_connected(count=2)
+    lab.server.wait_connected(count=2, gateway=lab.gateway)
     assert lab.publish().get("type") == "result"
 
 
 @pytest.mark.defaults
 def test_lost_link_is_reestablished(lab):
     lab.server.drop_connection()
-    lab.server.wait_connected(count=2)
+    lab.server.wait_connected(count=2, gateway=lab.gateway)
     assert lab.publish().get("type") == "result"
     wait_until(lambda: ComponentLink.objects.filter(component=lab.component, state="up").exists())
 
@@ -311,7 +312,7 @@ def test_wrong_component_secret_is_reported_and_retried(transactional_db):
         assert link.state != "up"
         wait_until(lambda: server.handshakes_refused >= 2)  # it keeps trying, with backoff
         Component.objects.filter(pk=component.pk).update(secret="the-real-secret")
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         wait_until(lambda: ComponentLink.objects.filter(component=component, state="up").exists())
         assert '"link.wrong_secret"' in gateway.log_text()
     finally:
@@ -390,7 +391,7 @@ def test_a_parse_error_ends_the_stream_well_formed_and_never_echoes_input(lab):
     )
     lab.server.send(valid + f"<iq type='set' id='{marker}'><unclosed {marker}></iq>")
     lab.server.wait_stream_error("not-well-formed")
-    lab.server.wait_connected(count=2)
+    lab.server.wait_connected(count=2, gateway=lab.gateway)
     first_stream = bytes(lab.server.received[0])
     assert STREAM_ERROR.format("not-well-formed").encode() + b"</stream:stream>" in first_stream
     assert marker.encode() not in first_stream
@@ -402,7 +403,7 @@ def test_a_link_dropped_by_bad_input_comes_back_after_the_shortest_delay(lab):
     """The delay used to double at every drop (reset only after 30 s up): 1, 1.5, 3, 8 s..."""
     for count in range(2, 8):
         lab.server.send("<iq type='set' id='broken'><unclosed></iq>")
-        lab.server.wait_connected(count=count)
+        lab.server.wait_connected(count=count, gateway=lab.gateway)
     downs = link_down_events(lab.gateway.log_text())
     assert len(downs) >= 6
     # service_env: RELAY_RECONNECT_MIN_SECONDS=0.2; every wait is drawn from [min/2, min].
@@ -442,10 +443,10 @@ def test_a_stanza_over_the_size_limit_ends_the_stream_before_it_is_read_whole(la
     )
     lab.server.send(opening + "y" * (32768 + 3 * 4096))
     lab.server.wait_stream_error("policy-violation")
-    lab.server.wait_connected(count=2)
+    lab.server.wait_connected(count=2, gateway=lab.gateway)
     # A start tag that never ends (one huge attribute) is no different.
     lab.server.send("<iq type='set' from='localhost' id='" + "z" * (32768 + 3 * 4096))
-    lab.server.wait_connected(count=3)
+    lab.server.wait_connected(count=3, gateway=lab.gateway)
     assert lab.server.stream_errors == ["policy-violation", "policy-violation"]
     assert b"yyyy" not in bytes(lab.server.received[0])
     # Below the limit all is as before.
@@ -457,7 +458,7 @@ def test_a_stanza_nested_deeper_than_the_limit_ends_the_stream(lab):
         "<iq type='set' from='localhost' to='push.localhost' id='deep'>" + "<a xmlns='x'>" * 1000
     )
     lab.server.wait_stream_error("policy-violation")
-    lab.server.wait_connected(count=2)
+    lab.server.wait_connected(count=2, gateway=lab.gateway)
     # 20 levels (within RELAY_MAX_STANZA_DEPTH=32) are only a payload we do not serve.
     deep = lab.ask(
         "<iq type='get' from='localhost' to='push.localhost' id='{id}'>"

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.waiting import async_wait_until
 from xmppgateway.stream import FEED_SLICE, GuardedStream, StreamLimits, stream_error
 
 pytestmark = pytest.mark.defaults
@@ -74,6 +75,8 @@ def run(test: Callable[[Recorder, Peer], Awaitable[None]], **kwargs: Any) -> Non
 
 
 async def settle() -> None:
+    """Twenty turns of the loop: what the peer wrote is read and answered (one thread: it
+    takes turns, not time, so a busy machine only makes it slower)."""
     for _ in range(20):
         await asyncio.sleep(0.005)
 
@@ -97,7 +100,7 @@ def test_get_and_set_iqs_come_to_us_the_handshake_goes_to_slixmpp_the_rest_nowhe
         )
         for byte in data:
             await peer.send(bytes([byte]))
-        await settle()
+        await async_wait_until(lambda: len(stream.requests) >= 3, what="three requests")
         assert [request.get("id") for request in stream.requests] == ["g1", "s1", "s2"]
         assert stream.requests[0][0].tag == "{x}query"  # payloads stay whole
         assert len(stream.xml_root) == 0  # the root keeps no stanza
@@ -111,7 +114,7 @@ def test_a_stanza_at_the_limits_passes():
         nested = "<a>" * 4 + "</a>" * 4  # iq, q and four a: six levels
         padding = "p" * (8192 - 100 - len(nested))
         await peer.send(iq("set", "edge", f"<q xmlns='x'>{padding}{nested}</q>"))
-        await settle()
+        await async_wait_until(lambda: len(stream.requests) >= 2, what="two requests")
         assert [request.get("id") for request in stream.requests] == ["first", "edge"]
         assert stream.transport is not None and not stream.closed_with
 
@@ -187,8 +190,7 @@ def test_a_peer_that_does_not_read_is_not_read_either():
         drained = 0
         while drained < 1024 * 1024:
             drained += len(await loop.sock_recv(peer.sock, 1024 * 1024))
-        await settle()
-        assert stream.transport.is_reading()
+        await async_wait_until(stream.transport.is_reading, what="reading again")
 
     run(test)
 

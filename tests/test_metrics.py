@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from pushsite.celery import app as celery_app
 from relay.models import App, Component, ComponentLink, Tenant
 from tests.fakes.fcm import FakeFcm
 from tests.support.processes import (
@@ -30,9 +31,10 @@ from tests.support.processes import (
     start_gateway,
     start_web,
     start_worker,
-    wait_until,
 )
+from tests.support.rabbitmq import PrivateRabbit
 from tests.support.services import PrivatePostgres, PrivateRedis
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -225,7 +227,8 @@ def test_each_process_counts_what_it_did(processes, prosody, fake_fcm, xmpp_clie
     assert sample(web_after, "relay_registrations", **app, state="live") == 1
     assert sample(web_after, "relay_state_up", source="database") == 1
     assert sample(web_after, "relay_state_up", source="broker") == 1
-    assert ("relay_queue_depth", (("queue", "celery"),)) in web_after
+    queue = str(celery_app.conf.task_default_queue)  # relay.sends on RabbitMQ
+    assert ("relay_queue_depth", (("queue", queue),)) in web_after
     # No JID, token, node or secret in any label.
     for url in (gateway, worker, web):
         text = get(url + "/metrics")[1]
@@ -249,10 +252,10 @@ def migrate(database_url: str) -> None:
 
 @pytest.fixture
 def private_services():
-    with PrivatePostgres() as postgres, PrivateRedis() as redis:
+    with PrivatePostgres() as postgres, PrivateRedis() as redis, PrivateRabbit() as rabbit:
         postgres.create_database("relay")
         migrate(postgres.url("relay"))
-        yield postgres, redis
+        yield postgres, redis, rabbit
 
 
 def readiness(url: str) -> tuple[int, dict[str, bool]]:
@@ -272,10 +275,10 @@ def unready(url: str) -> dict[str, bool] | None:
 def test_gateway_and_worker_go_unready_while_the_database_or_the_broker_is_down(
     private_services,
 ):
-    postgres, redis = private_services
+    postgres, redis, rabbit = private_services
     env = {
         "DATABASE_URL": postgres.url("relay"),
-        "CELERY_BROKER_URL": redis.url(0),
+        "CELERY_BROKER_URL": rabbit.url(),
         "RELAY_STATE_URL": redis.url(0),
         "CACHE_URL": redis.url(1),
         "DATABASE_CONN_MAX_AGE": "0",
@@ -294,7 +297,7 @@ def test_gateway_and_worker_go_unready_while_the_database_or_the_broker_is_down(
 
         for stop, start, check in (
             (postgres.stop, postgres.start, "database"),
-            (redis.stop, redis.start, "broker"),
+            (rabbit.stop, rabbit.start, "broker"),
         ):
             stop()
             for name, url in urls.items():

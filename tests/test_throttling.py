@@ -13,16 +13,18 @@ from datetime import UTC, datetime
 
 import pytest
 from django.conf import settings
+from django.db import OperationalError
 from django.test import override_settings
 
 from relay.models import Registration, Service
-from relay.services import queue, throttling
+from relay.services import deferred, throttling
 from relay.services.publishing import Publish, Verdict, accept_publish, domain_allowed
 from relay.services.registrations import register_device
 from relay.services.throttling import Decision, Fold, Limit
 from relay.services.throttling.redis_store import RedisStore
 from tests.support.broker import queued_jobs_with_eta
-from tests.support.processes import wait_until
+from tests.support.deferred import deferred_jobs
+from tests.support.waiting import wait_until
 
 LONG_WINDOW = 30.0  # long enough that no test depends on timing
 UNLIMITED = Limit(rate=0, burst=1)
@@ -36,8 +38,8 @@ def relay_settings(**changes: object) -> override_settings:
 def store(request, tmp_path):
     """A fresh store of each kind, as the module-level functions see it."""
     if request.param == "redis":
-        url = settings.CELERY_BROKER_URL
-        assert url.startswith("redis://"), "the Redis store needs CELERY_BROKER_URL=redis://"
+        url = settings.RELAY["STATE_URL"]
+        assert url.startswith("redis://"), "the Redis store needs RELAY_STATE_URL=redis://"
     else:
         url = f"sqlite:///{tmp_path / 'state.sqlite3'}"
     with relay_settings(STATE_URL=url):
@@ -134,7 +136,7 @@ def test_take_tokens_refills_at_the_rate(store):
     [bucket] = buckets(Limit(rate=20, burst=1))
     assert store.take_tokens([bucket]) is None
     assert store.take_tokens([bucket]) is not None
-    wait_until(lambda: store.take_tokens([bucket]) is None, timeout=5, interval=0.01)
+    wait_until(lambda: store.take_tokens([bucket]) is None, interval=0.01)
 
 
 def test_take_tokens_is_exact_under_concurrency(store):
@@ -198,10 +200,10 @@ def test_coalescing_sends_once_then_folds_into_one_delayed_send(store):
 
 @pytest.fixture
 def redis_store():
-    with relay_settings(STATE_URL=settings.CELERY_BROKER_URL):
+    with relay_settings(STATE_URL=settings.RELAY["STATE_URL"]):
         throttling.reset()
         store = throttling._store()
-        assert isinstance(store, RedisStore), "needs CELERY_BROKER_URL=redis://"
+        assert isinstance(store, RedisStore), "needs RELAY_STATE_URL=redis://"
         yield store
         throttling.reset()
 
@@ -392,10 +394,12 @@ def test_a_burst_becomes_one_send_now_and_one_at_the_window_end(component, send_
             for i in range(5)
         ]
     assert verdicts == [Verdict.ACCEPTED] * 5  # folded publishes are answered `result` too
-    first, delayed = sorted(queued_jobs_with_eta(), key=lambda q: q.job["coalesced"])
+    [first] = queued_jobs_with_eta()
     assert not first.job["coalesced"] and first.eta is None
+    # The window's delayed send waits in the database until its due time (no countdown).
+    [delayed] = deferred_jobs()
     assert delayed.job["coalesced"] is True
-    assert delayed.eta is not None and delayed.eta > datetime.now(UTC)
+    assert delayed.eta > datetime.now(UTC)
     assert first.job["push_id"] != delayed.job["push_id"]
     # What the delayed send will carry once the worker claims it:
     taken = throttling.take(registration=registration, push_id=delayed.job["push_id"])
@@ -445,24 +449,24 @@ def test_domain_not_allowed_is_forbidden(component, send_queue, fresh_state):
 
 @pytest.mark.defaults
 @pytest.mark.django_db
-def test_failed_delayed_enqueue_answers_wait_and_is_not_folded_into(
+def test_failed_deferral_answers_wait_and_is_not_folded_into(
     component, send_queue, fresh_state, monkeypatch
 ):
     registration = register(component)
-    real_enqueue = queue.enqueue_send
+    real_write = deferred.write
     with relay_settings(COALESCE_SECONDS=LONG_WINDOW):
         assert publish(component, registration) is Verdict.ACCEPTED
 
-        def broker_down(job, **kwargs):
-            raise queue.QueueUnavailable
+        def database_down(rows):
+            raise OperationalError("the database went away")
 
-        monkeypatch.setattr(queue, "enqueue_send", broker_down)
+        monkeypatch.setattr(deferred, "write", database_down)
         assert publish(component, registration) is Verdict.UNAVAILABLE
-        monkeypatch.setattr(queue, "enqueue_send", real_enqueue)
-        # Not folded into the send that was never queued: a new delayed send is queued.
+        monkeypatch.setattr(deferred, "write", real_write)
+        # Not folded into the send that was never kept: a new delayed send is deferred.
         assert publish(component, registration) is Verdict.ACCEPTED
-    jobs = queued_jobs_with_eta()
-    assert [q.job["coalesced"] for q in jobs] == [False, True]
+    assert [q.job["coalesced"] for q in queued_jobs_with_eta()] == [False]
+    assert [q.job["coalesced"] for q in deferred_jobs()] == [True]
 
 
 # --- through the gateway ------------------------------------------------------------------------
@@ -497,7 +501,7 @@ def test_gateway_answers_wait_to_publishes_over_the_rate_and_result_to_folded_on
     broker.purge()
     gateway = start_gateway(RELAY_COALESCE_SECONDS="30")
     try:
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         replies = [
             server.request(publish_xml(f"p{i}", answer.node, answer.secret), f"p{i}")
             for i in range(4)
@@ -508,5 +512,5 @@ def test_gateway_answers_wait_to_publishes_over_the_rate_and_result_to_folded_on
     # 1: sent now, 2: a delayed send at the window's end, 3: folded into it, 4: over the rate.
     assert [r.get("type") for r in replies[:3]] == ["result"] * 3
     assert error_of(replies[3]) == ("wait", "resource-constraint")
-    jobs = queued_jobs_with_eta()
-    assert [q.job["coalesced"] for q in jobs] == [False, True]
+    assert [q.job["coalesced"] for q in queued_jobs_with_eta()] == [False]
+    assert [q.job["coalesced"] for q in deferred_jobs()] == [True]

@@ -13,8 +13,9 @@ import urllib.request
 import pytest
 
 from tests.support.component_server import FakeXmppServer
-from tests.support.processes import ROOT, service_env, start_gateway, start_web, wait_until
+from tests.support.processes import ROOT, service_env, start_gateway, start_web
 from tests.support.services import PrivatePostgres
+from tests.support.waiting import wait_until
 
 SETUP = """
 import base64, os, time
@@ -75,7 +76,7 @@ def test_a_database_restart_costs_some_503s_and_loses_nothing(postgres):
             .splitlines()[-1]
         )
         gateway = start_gateway(DATABASE_URL=database_url, RELAY_UNIFIEDPUSH_SWEEP_SECONDS="0.5")
-        xmpp.wait_connected(timeout=30)
+        xmpp.wait_connected(gateway=gateway)
         for n in range(40):  # every web thread now holds a database connection
             assert post(endpoint, f"before {n}".encode()) == 201
         postgres.stop()
@@ -94,7 +95,7 @@ def test_a_database_restart_costs_some_503s_and_loses_nothing(postgres):
             count=40 + stored_after,
         )
         assert len(pushes) == 40 + stored_after
-        wait_until(lambda: '"unifiedpush.listening"' in gateway.log_text(), timeout=5)
+        wait_until(lambda: '"unifiedpush.listening"' in gateway.log_text())
         assert "Traceback" not in web.log_text()
     finally:
         if gateway is not None:

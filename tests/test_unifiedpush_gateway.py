@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import os
 import re
-import time
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime
 from urllib.parse import urlsplit
@@ -23,7 +22,8 @@ from relay.models import App, Component, Tenant
 from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, UnifiedPushRevocation
 from relay.unifiedpush.services import UP_NS, messages
 from tests.support.component_server import FakeXmppServer, error_of
-from tests.support.processes import start_gateway, wait_until
+from tests.support.processes import start_gateway
+from tests.support.waiting import holds_for, wait_until
 
 # On the embedded defaults, the tests marked `defaults` below stand for the module: what the
 # others test does not depend on the database or the broker, and each starts a gateway.
@@ -57,7 +57,7 @@ class Lab:
 
     def start_gateway(self, **env: str) -> None:
         self.gateway = start_gateway(**{**GATEWAY_ENV, **env})
-        self.server.wait_connected(count=self.server.connections + 1)
+        self.server.wait_connected(count=self.server.connections + 1, gateway=self.gateway)
 
     def iq(self, body: str, *, sender: str = PHONE, iq_type: str = "set") -> ET.Element:
         self._ids += 1
@@ -276,8 +276,11 @@ def test_a_temporary_error_keeps_the_message_and_retries_in_order(lab):
     lab.post(endpoint, b"third")
     probe = lab.next_push()  # after the backoff: the oldest alone
     assert body_of(probe) == b"first"
-    time.sleep(0.5)
-    assert [body_of(p) for p in lab.all_pushes()] == [b"first", b"first"]  # nothing else yet
+    holds_for(
+        lambda: [body_of(p) for p in lab.all_pushes()] == [b"first", b"first"],
+        0.5,
+        "nothing else is sent before the probe's answer",
+    )
     lab.answer(probe)
     rest = [
         lab.next_push(),
@@ -296,9 +299,13 @@ def test_an_answer_from_someone_else_is_ignored(lab):
     push = lab.next_push()
     lab.answer(push, "item-not-found", sender="mallory@localhost/x")
     lab.answer(push, sender="mallory@localhost/x")
-    time.sleep(0.5)
-    assert UnifiedPushMessage.objects.count() == 1
-    assert not UnifiedPushRevocation.objects.exists()
+    holds_for(
+        lambda: (
+            UnifiedPushMessage.objects.count() == 1 and not UnifiedPushRevocation.objects.exists()
+        ),
+        0.5,
+        "someone else's answers change nothing",
+    )
     lab.answer(push)  # the phone itself
     wait_until(lambda: not UnifiedPushMessage.objects.exists())
 
@@ -308,7 +315,7 @@ def test_no_answer_is_temporary_and_a_late_result_still_counts_once(lab):
     lab.post(endpoint, b"slow")
     first = lab.next_push()
     lab.answered.add(first.get("id"))  # the phone says nothing for now
-    wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists(), timeout=10)
+    wait_until(lambda: UnifiedPushMessage.objects.filter(attempts=1).exists())
     lab.answer(first)  # late
     wait_until(lambda: not UnifiedPushMessage.objects.exists())
     records = UnifiedPushDelivery.objects.all()
@@ -331,8 +338,7 @@ def away_for_ten_minutes(lab, condition: str) -> str:
 def test_directed_presence_brings_a_phone_back_at_once(lab):
     endpoint = away_for_ten_minutes(lab, "service-unavailable")
     lab.post(endpoint, b"two")
-    time.sleep(0.6)
-    assert len(lab.all_pushes()) == 1  # held back for ten minutes
+    holds_for(lambda: len(lab.all_pushes()) == 1, 0.6, "held back for ten minutes")
     lab.server.send(f"<presence from='{PHONE}' to='{COMPONENT}'/>")
     first = lab.next_push()
     lab.answer(first)
@@ -355,13 +361,12 @@ def test_a_message_whose_ttl_passes_while_the_phone_is_away_expires(lab):
     endpoint = lab.endpoint()
     lab.post(endpoint, b"short-lived", TTL="1")
     lab.answer(lab.next_push(), "service-unavailable")
-    record = wait_until(lambda: UnifiedPushDelivery.objects.first(), timeout=15)
+    record = wait_until(lambda: UnifiedPushDelivery.objects.first())
     assert record.outcome == "expired" and record.ttl == 1
     assert not UnifiedPushMessage.objects.exists()
     tried = len(lab.all_pushes())  # the first push, and maybe a retry within the second
     lab.server.send(f"<presence from='{PHONE}' to='{COMPONENT}'/>")
-    time.sleep(0.5)
-    assert len(lab.all_pushes()) == tried  # once expired, it is not sent again
+    holds_for(lambda: len(lab.all_pushes()) == tried, 0.5, "once expired, not sent again")
 
 
 def test_ttl_zero_is_tried_once_and_never_kept(lab):
@@ -439,8 +444,7 @@ def test_stored_messages_survive_a_gateway_restart_and_arrive_in_order(lab):
         lab.answer(push)
     wait_until(lambda: UnifiedPushDelivery.objects.filter(outcome="delivered").count() == 5)
     assert not UnifiedPushMessage.objects.exists()
-    time.sleep(0.5)
-    assert len(lab.all_pushes()) == 5  # each once
+    holds_for(lambda: len(lab.all_pushes()) == 5, 0.5, "each sent once")
 
 
 def test_a_link_that_drops_loses_nothing(lab):
@@ -448,7 +452,7 @@ def test_a_link_that_drops_loses_nothing(lab):
     lab.post(endpoint, b"in flight")
     lab.next_push()  # sent, never answered: the link drops
     lab.server.drop_connection()
-    lab.server.wait_connected(count=lab.server.connections + 1, timeout=20)
+    lab.server.wait_connected(count=lab.server.connections + 1, gateway=lab.gateway)
     again = lab.server.wait_for(lambda s: s.find(PUSH) is not None, count=2, timeout=15)[1]
     assert body_of(again) == b"in flight"
     lab.answer(again)
@@ -458,7 +462,7 @@ def test_a_link_that_drops_loses_nothing(lab):
 def test_app_component_keeps_its_p2_commands_beside_unifiedpush(lab):
     app = App.objects.create(tenant=lab.component.tenant, name="conversations")
     Component.objects.filter(pk=lab.component.pk).update(app=app)
-    lab.server.wait_connected(count=lab.server.connections + 1, timeout=20)  # reconnected
+    lab.server.wait_connected(count=lab.server.connections + 1, gateway=lab.gateway)  # reconnected
     info = lab.iq("<query xmlns='http://jabber.org/protocol/disco#info'/>", iq_type="get")
     features = {f.get("var") for f in info.iter("{http://jabber.org/protocol/disco#info}feature")}
     assert {UP_NS, "http://jabber.org/protocol/commands", "urn:xmpp:push:0"} <= features

@@ -21,7 +21,8 @@ from cryptography.x509.oid import NameOID
 
 from relay.models import Registration, WnsDevice
 from tests.support.ports import free_port, port_accepts
-from tests.support.processes import ROOT, ServiceProcess, service_env, wait_until
+from tests.support.processes import ROOT, ServiceProcess, service_env
+from tests.support.waiting import wait_until
 from tests.uwpx_examples import SEED_SET_ACCOUNTS
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -125,7 +126,7 @@ def start_listener(app, tls_files, tmp_path, **env: str) -> tuple[ServiceProcess
     # A folder of its own: its rate-limit counters (file cache) start empty.
     process = ServiceProcess("uwpx-listener", argv, service_env(VAR_DIR=str(var), **env))
     try:
-        wait_until(lambda: port_accepts(port) or not process.alive(), timeout=20)
+        wait_until(lambda: port_accepts(port) or not process.alive())
     except TimeoutError:
         process.stop()
         raise

@@ -24,7 +24,8 @@ import relay.logging as relay_logging
 from relay.models import Component, Tenant
 from relay.unifiedpush.services import messages
 from tests.support.endpoints import new_endpoint
-from tests.support.processes import ServiceProcess, start_dev_server, start_web, wait_until
+from tests.support.processes import ServiceProcess, start_dev_server, start_web
+from tests.support.waiting import wait_until
 
 TOKEN = "v4.local.4ojRFvuaHlxoJOk-W3ndu-zjmvz4zANiImFOTlaxBoZIJY2K.dmxVbjBkOGg"
 REFERENCE = "AAAAAAAAAAE.0123456789abcdef01234567"
@@ -118,13 +119,13 @@ class _Collect(logging.Handler):
         "django.request",
         "django.server",
         "pushsite.access",
-        "tornado.general",
-        "tornado.application",
+        "aiohttp.server",
+        "aiohttp.web",
     ],
 )
 def test_request_records_are_masked_before_any_handler(logger_name):
     """The filter sits on every logger that may see a path (settings.LOGGING): Django's, the
-    web server's access log and Tornado's own, so a handler of any format (an operator's)
+    web server's access log and aiohttp's own, so a handler of any format (an operator's)
     gets the record masked: here Django's 500 line with its traceback, as `log_response`
     writes it."""
     path = f"/push/{TOKEN}"
@@ -254,7 +255,7 @@ def test_no_live_token_reaches_the_web_process_output(server):
     secrets, statuses = _exercise(web, url)
     assert statuses == (WEB if web.name == "web" else DJANGO_ALONE)
     # Every answered request has its lines, masked (the process's own log, in order).
-    wait_until(lambda: "Not Found: /push/…" in _events_text(web), timeout=10)
+    wait_until(lambda: "Not Found: /push/…" in _events_text(web))
     web.stop()
     text = web.log_text()
     assert not _leaks(text, *secrets), text[-4000:]

@@ -22,7 +22,8 @@ from relay.unifiedpush.services import messages
 from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
 from tests.support.ports import free_port, port_accepts
-from tests.support.processes import ROOT, ServiceProcess, start_web, wait_until
+from tests.support.processes import ROOT, ServiceProcess, start_web
+from tests.support.waiting import wait_until
 from tests.test_uwpx_listener import write_self_signed
 
 HOST = "push.example.org"
@@ -89,7 +90,7 @@ http {{
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_until(lambda: nginx.poll() is not None or port_accepts(port), timeout=15)
+        wait_until(lambda: nginx.poll() is not None or port_accepts(port))
         assert nginx.poll() is None, (tmp_path / "error.log").read_text()
         tenant = Tenant.objects.create(name="proxied")
         component = Component.objects.create(

@@ -26,8 +26,9 @@ from relay.unifiedpush.models import UnifiedPushMessage
 from relay.unifiedpush.services import messages
 from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
-from tests.support.processes import ServiceProcess, child_pids, start_web, wait_until
+from tests.support.processes import ServiceProcess, child_pids, start_web
 from tests.support.raw_http import Reader, closed_by_peer, exchange, post, request
+from tests.support.waiting import wait_until
 
 LIMITS = {
     "WEB_HEAD_SECONDS": "2",
@@ -199,7 +200,7 @@ def test_clients_that_stop_reading_are_closed_at_the_flush_deadline(web_endpoint
     with connect(port) as sock:  # answered meanwhile (after the static files queued before it)
         assert exchange(sock, request("GET", "/healthz"))[0].status == 200
     # Every one of them ends (reset: what was not sent is dropped), and nothing is held.
-    wait_until(lambda: raw_http.established(port) == 0, timeout=15)
+    wait_until(lambda: raw_http.established(port) == 0)
     for sock in stuck:
         sock.setblocking(True)
         assert closed_by_peer(sock, timeout=5)
@@ -294,7 +295,7 @@ def test_slow_and_stalled_heads_and_bodies_hold_nothing_others_need(web_endpoint
     for sock in stalled:
         assert closed_by_peer(sock, timeout=15)
         sock.close()
-    wait_until(lambda: raw_http.established(port) == 0, timeout=10)
+    wait_until(lambda: raw_http.established(port) == 0)
 
 
 def test_a_component_saved_before_urls_were_checked_gets_answers_on_every_path(web_endpoint):
@@ -449,3 +450,30 @@ def test_a_stopping_worker_answers_what_it_holds_then_closes():
         assert closed_by_peer(busy, timeout=5)
         idle.close()
         busy.close()
+
+
+@pytest.mark.defaults
+def test_heads_aiohttps_parser_refuses_are_answered_with_our_headers(caplog):
+    """Beyond aiohttp's own limits (twice the fields allowed, a field longer than the head
+    may be) and for a malformed head, aiohttp answers through our `Connection.handle_error`:
+    431 or 400 with our security headers, an access line, then the connection is closed. This
+    fails if aiohttp stops calling `handle_error` or changes how it says "too many headers"."""
+    fields = [f"X-{n}: {n}" for n in range(50)]  # more than 2 * 20
+    cases = {
+        "too many fields": (request("GET", "/healthz", *fields), 431),
+        "a field longer than the head": (request("GET", "/x", "X-Big: " + "b" * 9000), 431),
+        "a target longer than the head": (request("GET", "/" + "p" * 9000), 431),
+        "malformed": (b"GET /healthz HTTP/1.1\r\nHost localhost\r\n\r\n", 400),
+    }
+    with in_process_worker() as worker, caplog.at_level("INFO", logger="pushsite.access"):
+        for name, (data, status) in cases.items():
+            with connect(worker.port, timeout=5) as sock:
+                [answer] = exchange(sock, data)
+                assert answer.status == status, name
+                assert answer.header("X-Content-Type-Options") == "nosniff", name
+                assert closed_by_peer(sock, timeout=5), name  # (an HTTP/1.0 answer: no header)
+        with connect(worker.port, timeout=5) as sock:  # the worker serves on
+            assert exchange(sock, request("GET", "/fine"))[0].status == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "pushsite.access"]
+    assert sum(" 431 " in line for line in lines) == 3, lines
+    assert sum(" 400 " in line for line in lines) == 1, lines

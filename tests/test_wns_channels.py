@@ -41,7 +41,7 @@ def link() -> Iterator[tuple[FakeXmppServer, App]]:
     )
     gateway = start_gateway()
     try:
-        server.wait_connected()
+        server.wait_connected(gateway=gateway)
         yield server, app
         assert gateway.process.returncode is None, gateway.log_text()[-3000:]
     finally:

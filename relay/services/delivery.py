@@ -5,12 +5,14 @@ what follows:
 
 - delivered: recorded, the registration's `last_push` moves.
 - dead token: the registration dies (the next publish is answered item-not-found).
-- retry later: re-queued as a copy with the SAME push id, attempt + 1 and a delay: exponential
+- retry later: deferred as a copy with the SAME push id, attempt + 1 and a delay: exponential
   backoff with full jitter, never sooner than the provider's Retry-After (capped at
   SEND_RETRY_MAX_SECONDS), and at least SEND_QUOTA_MIN_SECONDS after a quota error without
   one. Bounded by SEND_MAX_ATTEMPTS and by age: a wake-up that would go out later than
-  SEND_MAX_AGE_SECONDS after the publish is useless, so it is given up at once.
-- failed, retries exhausted, too old, or the retry could not be queued: a dead letter
+  SEND_MAX_AGE_SECONDS after the publish is useless, so it is given up at once. The copy is a
+  row in the database (relay/services/deferred.py), written with the batch's bookkeeping, not a
+  broker countdown; beat's sweep queues it once due.
+- failed, retries exhausted or too old: a dead letter
   (relay/services/dead_letters.py) that the admin can replay, plus the Delivery record.
 
 Before anything is sent, a job older than SEND_MAX_AGE_SECONDS is given up ("too old: not
@@ -60,7 +62,7 @@ from django.utils import timezone
 from relay import conf, metrics
 from relay.models import App, DeadLetter, Delivery, Priority, Registration
 from relay.providers.base import Outcome, SendResult, Wakeup
-from relay.services import lifecycle, queue, throttling
+from relay.services import deferred, lifecycle, queue, throttling
 from relay.services import provider_limits as limits
 from relay.services import provider_registry as registry
 
@@ -192,8 +194,15 @@ def busy_delay(age: float) -> float:
     return random.uniform(0.5, 1.0) * min(_retry_cap(), max(0.2, age / 2))
 
 
-def _retry(job: queue.SendJob, result: SendResult, now: datetime) -> str:
-    """Queue the next attempt; "" if queued, else why the push is given up.
+def _retry(
+    registration: Registration,
+    job: queue.SendJob,
+    result: SendResult,
+    now: datetime,
+    book: Bookkeeping,
+) -> str:
+    """Defer the next attempt (a row in the batch's bookkeeping, relay/services/deferred.py);
+    "" if deferred, else why the push is given up.
 
     A send deferred for lack of a thread or slot of its app (limits.BUSY_CODES) never reached
     the provider: it keeps its attempt number, so only the age limit ends it.
@@ -210,12 +219,15 @@ def _retry(job: queue.SendJob, result: SendResult, now: datetime) -> str:
         attempt += 1
     if age + delay >= conf.current().send_max_age_seconds:
         return f"too old: {code}"
-    try:
-        queue.enqueue_send(
-            dataclasses.replace(job, attempt=attempt, coalesced=False), countdown=delay
+    book.deferred.append(
+        deferred.row(
+            dataclasses.replace(job, attempt=attempt, coalesced=False),
+            delay,
+            tenant_id=registration.app.tenant_id,
+            app_id=registration.app_id,
+            now=now,
         )
-    except queue.QueueUnavailable:
-        return f"not re-queued: {code}"
+    )
     log.info(
         "delivery.retry_scheduled",
         extra={
@@ -235,14 +247,16 @@ class DatabaseUnavailable(Exception):
 @dataclass
 class Bookkeeping:
     """What a batch taught: dead registrations, delivered ones whose `last_push` is due to move,
-    dead letters and the Delivery rows, written in one transaction. Plain JSON-able data
-    without token, JID or body, so that it can wait in the broker while the database is away."""
+    dead letters, deferred retries and the Delivery rows, written in one transaction. Plain
+    JSON-able data without token, JID or body, so that it can wait in the broker while the
+    database is away."""
 
     at: str
     dead: list[int] = field(default_factory=list)
     delivered: list[int] = field(default_factory=list)
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
     deliveries: list[dict[str, Any]] = field(default_factory=list)
+    deferred: list[dict[str, Any]] = field(default_factory=list)  # retries: deferred.row()
 
     def to_message(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -407,7 +421,7 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
         result = results[index]
         given_up = ""
         if result.outcome == Outcome.RETRY_LATER:
-            given_up = _retry(job, result, now)
+            given_up = _retry(registration, job, result, now, book)
             if not given_up:
                 outcomes[index] = Outcome.RETRY_LATER
                 _count_retry(registration.service, result.error_code or "RETRY_LATER")
@@ -476,7 +490,7 @@ DEAD_LETTER_FIELDS = ["tenant", "app", "registration", "provider", "reason", "at
 
 def record(book: Bookkeeping) -> None:
     """Write a batch's bookkeeping (retried on new connections; DatabaseUnavailable)."""
-    if book.dead or book.delivered or book.dead_letters or book.deliveries:
+    if book.dead or book.delivered or book.dead_letters or book.deliveries or book.deferred:
         with_database(lambda: _write(book))
 
 
@@ -487,6 +501,7 @@ def _write(book: Bookkeeping) -> None:
         connection.vendor == "postgresql"
         and not book.dead
         and not book.dead_letters
+        and not book.deferred
         and not connection.in_atomic_block
         and not connection.settings_dict["OPTIONS"].get("server_side_binding")
     ):
@@ -502,7 +517,8 @@ def _write(book: Bookkeeping) -> None:
         with connection.cursor() as cursor:
             cursor.execute("; ".join(sql for sql, _ in parts), [v for _, vs in parts for v in vs])
         return
-    with _bookkeeping(durable=bool(book.dead_letters)):
+    with _bookkeeping(durable=bool(book.dead_letters or book.deferred)):
+        deferred.write(book.deferred)
         if book.dead:
             _update_registrations(book.dead, "dead_since", now, "dead_since IS NULL")
             lifecycle.died(book.dead, at=now)
@@ -549,14 +565,35 @@ def _bookkeeping(*, durable: bool) -> Iterator[None]:
     flush: a commit per statement was what bounded single sends. These rows are bookkeeping;
     a crash may lose the last few, and a dead token lost so is learnt again at the next send.
 
-    Not so a dead letter: it is the only copy of a push given up on (the broker message is
-    acknowledged next), so a batch that writes one waits for the flush.
+    Not so a dead letter or a deferred send: it is the only copy of its push (the broker
+    message is acknowledged next), so a batch that writes one waits for the flush.
     """
     with transaction.atomic():
         if connection.vendor == "postgresql" and not durable:
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit TO OFF")
         yield
+
+
+def bury(jobs: list[queue.SendJob], reason: str) -> int:
+    """Keep jobs the broker gave up on (past its delivery limit) as dead letters, durably;
+    returns how many. A job whose registration is gone has nothing left to send to."""
+    registrations = Registration.objects.select_related("app").in_bulk(
+        [job.registration_id for job in jobs]
+    )
+    letters = [
+        _dead_letter(registrations[job.registration_id], job, reason)
+        for job in jobs
+        if job.registration_id in registrations
+    ]
+    with _bookkeeping(durable=True):
+        DeadLetter.objects.bulk_create(
+            [DeadLetter(**letter, replayed=None) for letter in letters],
+            update_conflicts=True,
+            unique_fields=["push_id"],
+            update_fields=[*DEAD_LETTER_FIELDS, "replayed"],
+        )
+    return len(letters)
 
 
 def _dead_letter(registration: Registration, job: queue.SendJob, reason: str) -> dict[str, Any]:

@@ -16,11 +16,10 @@ from django.db.models import Count, Q
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from relay.models import App, DeadLetter, Registration
+from relay.models import App, DeadLetter, Registration, Tenant
+from relay.services import deferred
 
 log = logging.getLogger(__name__)
-
-QUEUE = "celery"  # Celery's default queue: every send task goes there
 
 
 def _app_names() -> dict[int, tuple[str, str]]:
@@ -83,6 +82,30 @@ def _dead_letters_pending(apps: dict[int, tuple[str, str]]) -> GaugeMetricFamily
     return family
 
 
+def _deferred() -> list[Metric]:
+    """The deferred sends waiting in the database (relay/services/deferred.py), by tenant and
+    whether they are due; and how long the oldest due one is overdue (grows when beat's
+    sweep stops or cannot keep up)."""
+    backlog = deferred.backlog()
+    names = dict(Tenant.objects.filter(pk__in=backlog.waiting).values_list("pk", "name"))
+    waiting = GaugeMetricFamily(
+        "relay_deferred_sends",
+        "Sends deferred in the database (retries, coalescing windows), by tenant and state "
+        "(due: waiting for the sweep; later: not due yet).",
+        labels=["tenant", "state"],
+    )
+    for tenant, count in backlog.waiting.items():
+        due = backlog.due.get(tenant, 0)
+        waiting.add_metric([names.get(tenant, str(tenant)), "due"], due)
+        waiting.add_metric([names.get(tenant, str(tenant)), "later"], count - due)
+    overdue = GaugeMetricFamily(
+        "relay_deferred_oldest_due_seconds",
+        "How long the oldest due deferred send has waited past its due time (0: none).",
+    )
+    overdue.add_metric([], round(backlog.oldest_due_seconds, 3))
+    return [waiting, overdue]
+
+
 def queue_depth() -> int:
     """Sends waiting in the broker for a worker (not those a worker holds for a countdown)."""
     from kombu.exceptions import ChannelError
@@ -91,8 +114,12 @@ def queue_depth() -> int:
         conn.ensure_connection(max_retries=1, timeout=2)
         channel = conn.default_channel
         try:
-            return int(channel.queue_declare(queue=QUEUE, passive=True).message_count)
-        except ChannelError:  # Redis: an empty queue does not exist
+            return int(
+                channel.queue_declare(
+                    queue=celery_app.conf.task_default_queue, passive=True
+                ).message_count
+            )
+        except ChannelError:  # the queue does not exist yet: nothing was ever sent
             return 0
 
 
@@ -107,6 +134,7 @@ def read_state() -> list[Metric]:
     try:
         apps = _app_names()
         families += [_registrations(apps), _credential_expiry(), _dead_letters_pending(apps)]
+        families += _deferred()
         up.add_metric(["database"], 1)
     except DatabaseError as error:
         log.warning("metrics.database_unavailable", extra={"error_type": type(error).__name__})
@@ -116,10 +144,10 @@ def read_state() -> list[Metric]:
         family = GaugeMetricFamily(
             "relay_queue_depth", "Messages waiting in the broker's queue.", labels=["queue"]
         )
-        family.add_metric([QUEUE], depth)
+        family.add_metric([celery_app.conf.task_default_queue], depth)
         families.append(family)
         up.add_metric(["broker"], 1)
-    except Exception as error:  # kombu, redis and socket errors: the broker is unreachable
+    except Exception as error:  # kombu, amqp and socket errors: the broker is unreachable
         log.warning("metrics.broker_unavailable", extra={"error_type": type(error).__name__})
         up.add_metric(["broker"], 0)
     families.append(up)

@@ -7,7 +7,7 @@ domain the tenant does not allow to a hard one:
 
 | situation                                         | verdict       | XMPP error         |
 |---------------------------------------------------|---------------|--------------------|
-| queued (now, or folded into a pending send)       | ACCEPTED      | none (`result`)    |
+| queued or deferred (or folded into a pending one) | ACCEPTED      | none (`result`)    |
 | unknown node, or the token is known dead          | UNKNOWN_NODE  | cancel item-not-found |
 | wrong secret                                      | FORBIDDEN     | auth forbidden     |
 | publishing domain not in the tenant's allowed list| FORBIDDEN     | auth forbidden     |
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from relay import metrics
 from relay.models import App, Registration, Tenant
-from relay.services import queue, tallies, throttling
+from relay.services import deferred, queue, tallies, throttling
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +206,9 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
     one throttling round trip, and ONE broker message per app for the sends that go out now.
 
     A publish is ACCEPTED only once its job (or the pending send it folded into) is in the
-    broker; when the batch message cannot be queued, every publish that needed it is
-    answered UNAVAILABLE (`wait`) and nothing of the batch is queued.
+    broker, or in the database when it is delayed; when the batch message cannot be queued,
+    every publish that needed it is answered UNAVAILABLE (`wait`) and nothing of the batch is
+    queued.
     """
     now = timezone.now()
     verdicts: list[Verdict | None] = [None] * len(publishes)
@@ -280,16 +281,17 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
         except queue.QueueUnavailable:
             log.warning("publish.queue_unavailable", extra={"publishes": len(app_jobs)})
             failed_push_ids |= {item.push_id for item, _ in app_jobs}
-    if failed_push_ids:  # the broker is failing: do not wait for it once more per delayed send
+    if failed_push_ids:  # the broker is failing: the batch is answered `wait` as a whole
         failed_push_ids |= {item.push_id for item, _, _ in later_jobs}
-    for item, job, delay in later_jobs:
-        # A delayed send has its own due time, so its own message (rare: a repeat publish).
-        if item.push_id not in failed_push_ids:
-            try:
-                queue.enqueue_send(job, countdown=delay)
-            except queue.QueueUnavailable:
-                log.warning("publish.queue_unavailable", extra={"publishes": 1})
-                failed_push_ids.add(item.push_id)
+    elif later_jobs:
+        # A delayed send (a repeat publish inside its coalescing window) waits in the
+        # database until due; beat's sweep queues it (relay/services/deferred.py).
+        try:
+            _defer(later_jobs)
+        except DatabaseError:
+            log.warning("publish.defer_failed", extra={"publishes": len(later_jobs)})
+            failed_push_ids |= {item.push_id for item, _, _ in later_jobs}
+    for item, _, _ in later_jobs:
         if item.push_id in failed_push_ids:
             throttling.abandon(registration=item.registration, push_id=item.push_id)
     for item in [item for item, _ in now_jobs] + [item for item, _, _ in later_jobs]:
@@ -306,6 +308,22 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
     tallies.record_verdicts(publishes, found, answers, folded={item.index for item, _ in folded})
     _count(publishes, found, answers)
     return answers
+
+
+def _defer(later_jobs: list[tuple[_Pending, queue.SendJob, float]]) -> None:
+    now = timezone.now()
+    rows = [
+        deferred.row(
+            job,
+            delay,
+            tenant_id=item.registration.app.tenant_id,
+            app_id=item.registration.app_id,
+            now=now,
+        )
+        for item, job, delay in later_jobs
+    ]
+    with transaction.atomic():
+        deferred.write(rows)
 
 
 def _count(

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from celery import current_app
 from django.utils import timezone
 
-from relay import redis_broker
+from relay import amqp_publisher, broker, conf
 
 log = logging.getLogger(__name__)
 
@@ -62,29 +63,70 @@ _NO_REPRS: dict[str, Any] = {"argsrepr": "", "kwargsrepr": ""}
 
 
 @functools.cache
-def _direct_publisher(broker_url: str) -> redis_broker.TaskPublisher | None:
-    """On Redis, the gateway writes its messages itself (relay/redis_broker.py says why:
-    `send_task` would be a large part of its CPU per publish); other brokers (the embedded one)
-    go through Celery."""
-    conf = current_app.conf
-    if not broker_url.startswith(("redis://", "rediss://")) or conf.task_routes:
+def _direct_publisher(broker_url: str) -> amqp_publisher.ConfirmedPublisher | None:
+    """On RabbitMQ, the gateway writes its messages itself (relay/amqp_publisher.py: cheaper
+    than `send_task`, and confirmed within CELERY_CONFIRM_TIMEOUT); other brokers (the
+    embedded one) go through Celery."""
+    app_conf = current_app.conf
+    if not broker_url.startswith(("amqp://", "pyamqp://")) or app_conf.task_routes:
         return None
-    if conf.broker_use_ssl:  # TLS options outside the URL: kombu's client knows them
+    if app_conf.broker_use_ssl:  # TLS options outside the URL: kombu's client knows them
         return None
-    return redis_broker.TaskPublisher(
+    relay = conf.current()
+    return amqp_publisher.ConfirmedPublisher(
         broker_url,
-        transport_options=dict(conf.broker_transport_options or {}),
-        retry_policy=dict(conf.task_publish_retry_policy or {}) if conf.task_publish_retry else {},
-        queue=conf.task_default_queue,
+        queue=broker.send_queue(relay),
+        declare=[broker.dead_letter_queue(relay)],
+        confirm_timeout=relay.celery_confirm_timeout,
     )
+
+
+_AMQP = ("amqp://", "amqps://", "pyamqp://")
+_delayed_ready: set[str] = set()
+
+
+def ensure_delayed_delivery() -> None:
+    """On RabbitMQ, a countdown travels through Celery's native delayed delivery exchanges,
+    which workers declare when they start; declared here too (once per process), so a delayed
+    send published before any worker ran is not refused."""
+    url = str(current_app.conf.broker_url)
+    if url in _delayed_ready or not url.startswith(_AMQP):
+        return
+    from kombu.transport.native_delayed_delivery import (
+        bind_queue_to_native_delayed_delivery_exchange,
+        declare_native_delayed_delivery_exchanges_and_queues,
+    )
+
+    with current_app.connection_for_write() as connection:
+        declare_native_delayed_delivery_exchanges_and_queues(
+            connection, current_app.conf.broker_native_delayed_delivery_queue_type
+        )
+        for declared in current_app.amqp.queues.values():
+            declared.bind(connection.default_channel).declare()
+            bind_queue_to_native_delayed_delivery_exchange(connection, declared)
+    _delayed_ready.add(url)
 
 
 def _publish(task: str, args: list[Any], countdown: float | None = None) -> None:
     publisher = _direct_publisher(str(current_app.conf.broker_url))
-    if publisher is not None:
-        publisher.publish(task, args, countdown=countdown)
-    else:
-        current_app.send_task(task, args=args, countdown=countdown, **_NO_REPRS)
+    if publisher is not None and not countdown:
+        publisher.publish(task, args)
+        return
+    if countdown and str(current_app.conf.broker_url).startswith(_AMQP):
+        ensure_delayed_delivery()
+        # Native delayed delivery counts whole seconds and refuses a countdown under one.
+        countdown = float(math.ceil(countdown))
+    current_app.send_task(task, args=args, countdown=countdown, **_NO_REPRS)
+
+
+def publish_task(task: str, args: list[Any], *, countdown: float | None = None) -> None:
+    """Publish one task call as the relay does (confirmed on RabbitMQ); raises
+    QueueUnavailable. For moving messages between brokers (relay/services/redis_drain.py)."""
+    try:
+        _publish(task, args, countdown)
+    except Exception as error:  # kombu, amqp and socket errors all mean "not queued"
+        log.warning("queue.publish_failed", extra={"error_type": type(error).__name__})
+        raise QueueUnavailable from error
 
 
 def enqueue_send(job: SendJob, *, countdown: float | None = None) -> SendJob:
@@ -92,7 +134,7 @@ def enqueue_send(job: SendJob, *, countdown: float | None = None) -> SendJob:
     job = dataclasses.replace(job, queued=job.queued or timezone.now().isoformat())
     try:
         _publish(SEND_PUSH, [job.to_message()], countdown)
-    except Exception as error:  # kombu, redis, amqp and socket errors all mean "not queued"
+    except Exception as error:  # kombu, amqp and socket errors all mean "not queued"
         log.warning("queue.publish_failed", extra={"error_type": type(error).__name__})
         raise QueueUnavailable from error
     return job
@@ -109,7 +151,7 @@ def enqueue_sends(jobs: list[SendJob]) -> list[SendJob]:
     jobs = [dataclasses.replace(job, queued=job.queued or queued) for job in jobs]
     try:
         _publish(SEND_PUSHES, [[job.to_message() for job in jobs]])
-    except Exception as error:  # kombu, redis, amqp and socket errors all mean "not queued"
+    except Exception as error:  # kombu, amqp and socket errors all mean "not queued"
         log.warning(
             "queue.publish_failed", extra={"error_type": type(error).__name__, "jobs": len(jobs)}
         )

@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 DAY = timedelta(days=1)
 MONTH = timedelta(days=30)
 HOUR = timedelta(hours=1)
-QUEUE = "celery"
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +276,7 @@ def queue_depth() -> int | None:
             connection.ensure_connection(max_retries=1, timeout=2)
             channel = connection.default_channel
             try:
-                declared = channel.queue_declare(QUEUE, passive=True)
+                declared = channel.queue_declare(celery_app.conf.task_default_queue, passive=True)
             except Exception:  # the queue does not exist yet: nothing was ever sent
                 return 0
             return int(declared.message_count)

@@ -512,7 +512,7 @@ class FakeApns:
         with self._cond:
             return len(self._connections)
 
-    def wait_for_requests(self, n: int, timeout: float = 5.0) -> list[RecordedRequest]:
+    def wait_for_requests(self, n: int, timeout: float = 30.0) -> list[RecordedRequest]:
         """Block until at least `n` requests were recorded; AssertionError on timeout."""
         with self._cond:
             if not self._cond.wait_for(lambda: len(self._requests) >= n, timeout):

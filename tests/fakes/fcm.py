@@ -39,6 +39,8 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from tests.support.waiting import holds_for
+
 GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
 JWT_GRANT_TYPE = "urn:ietf:params:oauth:grant-type:jwt-bearer"
 FCM_ERROR_TYPE = "type.googleapis.com/google.firebase.fcm.v1.FcmError"
@@ -571,7 +573,16 @@ class FakeFcm:
                     raise TimeoutError("fake FCM: connections still open")
                 self._cond.wait(left)
 
-    def wait_for_requests(self, n: int, timeout: float = 5.0) -> list[RecordedSend]:
+    def quiet_for(self, seconds: float) -> bool:
+        """Whether no new send arrives within `seconds` (what was in flight has ended)."""
+        before = self.send_count
+        try:
+            holds_for(lambda: self.send_count == before, seconds)
+        except AssertionError:
+            return False
+        return True
+
+    def wait_for_requests(self, n: int, timeout: float = 30.0) -> list[RecordedSend]:
         """Block until at least `n` sends arrived; all of them, or TimeoutError."""
         deadline = time.monotonic() + timeout
         with self._cond:

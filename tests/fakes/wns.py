@@ -191,7 +191,7 @@ class FakeWns:
     def requests_for(self, channel_id: str) -> list[RecordedRequest]:
         return [r for r in self.requests if r.channel_id == channel_id]
 
-    def wait_for_requests(self, n: int, timeout: float = 5.0) -> list[RecordedRequest]:
+    def wait_for_requests(self, n: int, timeout: float = 30.0) -> list[RecordedRequest]:
         """Block until at least n channel POSTs arrived; AssertionError after `timeout`."""
         with self._lock:
             if not self._lock.wait_for(lambda: len(self._requests) >= n, timeout):

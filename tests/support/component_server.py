@@ -12,8 +12,19 @@ import hashlib
 import secrets
 import socket
 import threading
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from typing import Protocol
+
+
+class Gateway(Protocol):
+    """What a wait needs of the gateway's process (tests/support/processes.py)."""
+
+    def alive(self) -> bool: ...
+
+    def log_tail(self) -> str: ...
+
 
 STREAM_NS = "http://etherx.jabber.org/streams"
 ACCEPT_NS = "jabber:component:accept"
@@ -135,12 +146,29 @@ class FakeXmppServer:
 
     # --- driving
 
-    def wait_connected(self, timeout: float = 15.0, *, count: int = 1) -> None:
+    def wait_connected(
+        self, timeout: float = 60.0, *, count: int = 1, gateway: Gateway | None = None
+    ) -> None:
+        """Until the gateway's `count`-th link is up. Given the `gateway` process, a gateway
+        that died or never came says why (its log's tail) instead of only timing out."""
+        deadline = time.monotonic() + timeout
+
+        def connected() -> bool:
+            return self._conn is not None and self.connections >= count
+
         with self._cond:
-            if not self._cond.wait_for(
-                lambda: self._conn is not None and self.connections >= count, timeout
-            ):
-                raise TimeoutError("the gateway did not connect")
+            while not self._cond.wait_for(connected, min(0.5, timeout)):
+                if gateway is not None and not gateway.alive():
+                    raise RuntimeError(f"the gateway died\n{gateway.log_tail()}")
+                if time.monotonic() > deadline:
+                    seen = (
+                        f"{self.accepted} connections accepted, {self.connections} handshakes, "
+                        f"{self.handshakes_refused} refused, stream errors {self.stream_errors}"
+                    )
+                    tail = f"\n{gateway.log_tail()}" if gateway is not None else ""
+                    raise TimeoutError(
+                        f"the gateway did not connect ({count} wanted) in {timeout} s: {seen}{tail}"
+                    )
 
     def send(self, xml: str | bytes) -> None:
         with self._cond:
@@ -149,7 +177,7 @@ class FakeXmppServer:
             raise ConnectionError("no component connected")
         conn.sendall(xml if isinstance(xml, bytes) else xml.encode())
 
-    def wait_stream_error(self, condition: str, timeout: float = 10.0) -> None:
+    def wait_stream_error(self, condition: str, timeout: float = 30.0) -> None:
         """Until the gateway sent a stream error with `condition`."""
         with self._cond:
             if not self._cond.wait_for(lambda: condition in self.stream_errors, timeout):
@@ -158,7 +186,7 @@ class FakeXmppServer:
                     f"{self.not_well_formed} not well-formed)"
                 )
 
-    def reply_to(self, iq_id: str, timeout: float = 10.0) -> ET.Element:
+    def reply_to(self, iq_id: str, timeout: float = 30.0) -> ET.Element:
         def find() -> ET.Element | None:
             for stanza in self.stanzas:
                 if stanza.get("id") == iq_id:
@@ -173,7 +201,7 @@ class FakeXmppServer:
         return found
 
     def wait_for(
-        self, predicate: Callable[[ET.Element], bool], timeout: float = 10.0, *, count: int = 1
+        self, predicate: Callable[[ET.Element], bool], timeout: float = 30.0, *, count: int = 1
     ) -> list[ET.Element]:
         """The first `count` stanzas (ever received) that match, once there are that many."""
 
@@ -185,7 +213,7 @@ class FakeXmppServer:
                 raise TimeoutError(f"fewer than {count} matching stanzas in {timeout} s")
             return found()
 
-    def request(self, xml: str, iq_id: str, timeout: float = 10.0) -> ET.Element:
+    def request(self, xml: str, iq_id: str, timeout: float = 30.0) -> ET.Element:
         self.send(xml)
         return self.reply_to(iq_id, timeout)
 

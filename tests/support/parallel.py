@@ -6,9 +6,9 @@ Why: `make test` runs slices of the PostgreSQL suite and the embedded-defaults s
 same time (see tests/support/shards.py), and one failure must never hide another. Each line a
 job prints is shown as it comes, prefixed with the job's name; the job's whole output is also
 kept in var/test-logs/NAME.log; at the end a summary gives every job's exit status, its wall
-time and its last line (pytest's tally), then the end of every failed or retried test's
-traceback (tests/support/traces.py), then every test a job reported as failed, in error or
-retried (pytest's short summary lines), so a failure shows even where only the end of the
+time and its last line (pytest's tally), then the end of every failed test's traceback
+(tests/support/traces.py), then every test a job reported as failed or in error (pytest's short
+summary lines), so a failure shows even where only the end of the
 output is kept; the exit status is non-zero if any job failed.
 """
 
@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LOGS = Path("var/test-logs")
-# pytest's short test summary: "FAILED tests/x.py::test - why", "ERROR tests/x.py::test - why",
-# and "RERUN tests/x.py::test" for a test that failed once (pytest-rerunfailures).
-FAILURE = re.compile(r"^(FAILED|ERROR|RERUN) \S+")
+# pytest's short test summary: "FAILED tests/x.py::test - why", "ERROR tests/x.py::test - why".
+FAILURE = re.compile(r"^(FAILED|ERROR) \S+")
 # The end of each such test's traceback (tests/support/traces.py).
 TRACE = re.compile(r"^TRACE \S+ \| ")
 TRACES_PER_JOB = 90

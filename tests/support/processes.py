@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
 from django.db import connection
+
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,22 +30,15 @@ def test_database_url(host: str | None = None, port: int | None = None) -> str:
     return f"postgres://{user}{password}@{host}:{port}/{db['NAME']}"
 
 
-def wait_until(check: Callable[[], object], timeout: float = 15.0, interval: float = 0.1) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout}s")
-        time.sleep(interval)
-
-
 class ServiceProcess:
     """One of our own processes (gateway or worker), logging to a file the test can read."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], *, handles_sigterm: bool = True
+    ) -> None:
         self.name = name
+        # Our services stop cleanly on SIGTERM once they handle it; `stop()` waits for that.
+        self.handles_sigterm = handles_sigterm
         self.log_path = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
@@ -69,8 +62,37 @@ class ServiceProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout: float = 10.0) -> int:
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of its log, for a failure's message."""
+        state = "running" if self.alive() else f"exited with {self.process.returncode}"
+        return f"--- {self.name} ({state}), {self.log_path} ---\n{self.log_text()[-chars:]}"
+
+    def handles(self, signum: int) -> bool:
+        """Whether the process has its own handling of `signum` yet (caught, or blocked to be
+        waited for), read from /proc: before that the signal would kill it outright."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return True
+        bit = 1 << (signum - 1)
+        masks = [
+            int(line.split(":", 1)[1], 16)
+            for line in status.splitlines()
+            if line.startswith(("SigCgt:", "SigBlk:"))
+        ]
+        return any(mask & bit for mask in masks)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, once the process handles it (a process still loading on a busy machine
+        would otherwise die of it, status -15); its exit status. Killed after `timeout`."""
         if self.process.poll() is None:
+            if self.handles_sigterm:
+                with contextlib.suppress(TimeoutError):
+                    wait_until(
+                        lambda: not self.alive() or self.handles(signal.SIGTERM),
+                        timeout=timeout,
+                        what=f"{self.name} handles SIGTERM",
+                    )
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
@@ -129,28 +151,41 @@ def start_gateway(**env: str) -> ServiceProcess:
 def worker_argv(
     *, concurrency: int = 4, loglevel: str = "INFO", pool: str = "threads"
 ) -> list[str]:
-    """The command line of one of our Celery workers (tests and benchmarks use the same)."""
+    """The command line of one of our Celery workers (tests and benchmarks use the same). Each
+    has a node name of its own: RabbitMQ lets one worker per name hold its control queue."""
+    import uuid
+
     return [
         sys.executable, "-m", "celery", "-A", "pushsite", "worker",
+        "--hostname", f"worker-{uuid.uuid4().hex[:8]}@%h",
         "--pool", pool, "--concurrency", str(concurrency), "--loglevel", loglevel,
         "--without-heartbeat", "--without-gossip", "--without-mingle",
     ]  # fmt: skip
 
 
-def probe_url(process: ServiceProcess, timeout: float = 30.0) -> str:
+def beat_argv(schedule: str, *, loglevel: str = "INFO") -> list[str]:
+    """The command line of beat (the Procfile's), its schedule in the file `schedule`: its
+    sweep queues the deferred sends (retries) once due."""
+    return [
+        sys.executable, "-m", "celery", "-A", "pushsite", "beat",
+        "--loglevel", loglevel, "--schedule", schedule,
+    ]  # fmt: skip
+
+
+def probe_url(process: ServiceProcess, timeout: float = 60.0) -> str:
     """The base URL of a gateway's or worker's probe listener (port 0: read from its log)."""
     import json
 
     def listening() -> str:
         if not process.alive():
-            raise RuntimeError(f"{process.name} died:\n{process.log_text()[-3000:]}")
+            raise RuntimeError(f"{process.name} died:\n{process.log_tail()}")
         for line in process.log_text().splitlines():
             if '"probes.listening"' in line:
                 entry = json.loads(line)
                 return f"http://{entry['host']}:{entry['port']}"
         return ""
 
-    return str(wait_until(listening, timeout=timeout))
+    return str(wait_until(listening, timeout, lambda: f"no probe listener\n{process.log_tail()}"))
 
 
 def start_worker(**env: str) -> ServiceProcess:
@@ -186,6 +221,7 @@ def start_dev_server(**env: str) -> tuple[ServiceProcess, str]:
         "runserver",
         [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"],
         service_env(**env),
+        handles_sigterm=False,  # Django's development server just dies of it
     )
     return web, _ready(web, port)
 
@@ -198,11 +234,11 @@ def _ready(web: ServiceProcess, port: int) -> str:
 
     def ready() -> bool:
         if not web.alive():
-            raise RuntimeError(f"the web process died:\n{web.log_text()[-3000:]}")
+            raise RuntimeError(f"the web process died:\n{web.log_tail()}")
         try:
-            return urllib.request.urlopen(base_url + "/healthz", timeout=1).status == 200
+            return urllib.request.urlopen(base_url + "/healthz", timeout=5).status == 200
         except OSError:
             return False
 
-    wait_until(ready, timeout=30)
+    wait_until(ready, 60, lambda: f"{base_url}/healthz does not answer\n{web.log_tail()}")
     return base_url

@@ -53,7 +53,8 @@ class Reader:
             end = self.buffer.find(b"\r\n\r\n")
             if end >= 0:
                 head = self.buffer[:end]
-                assert head.startswith(b"HTTP/1.1 "), self.buffer[:300]
+                # HTTP/1.0 requests are answered in HTTP/1.0 (RFC 9110 6.2 allows either).
+                assert re.match(rb"HTTP/1\.[01] \d{3} ", head), self.buffer[:300]
                 match = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
                 length = int(match.group(1)) if match else 0
                 if len(self.buffer) >= end + 4 + length:

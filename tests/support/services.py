@@ -1,4 +1,4 @@
-"""Private PostgreSQL and Redis servers on free ports, started and stopped by the tests.
+"""Private PostgreSQL, Redis and RabbitMQ servers on free ports, started and stopped by the tests.
 
 Nothing here touches a server the machine already runs: each instance lives in a folder of
 its own, listens on loopback on a free port, and is gone when the test (or the session) ends.
@@ -9,10 +9,11 @@ Run as a program, it wraps the test session (the Makefile does this)::
 
     python -m tests.support.services -- python -m pytest ...
 
-and starts a private PostgreSQL unless TEST_DATABASE_URL is given, a private Redis unless
-TEST_BROKER_URL is given, exports DATABASE_URL, CELERY_BROKER_URL, CACHE_URL and
-RELAY_STATE_URL for the command, and stops what it started when the command ends. Two runs on
-one machine therefore never share a database or a Redis db.
+and starts a private PostgreSQL unless TEST_DATABASE_URL is given, a private RabbitMQ (the
+broker, tests/support/rabbitmq.py) unless TEST_BROKER_URL is given, a private Redis (state
+and cache) unless TEST_STATE_URL is given, exports DATABASE_URL, CELERY_BROKER_URL,
+CACHE_URL and RELAY_STATE_URL for the command, and stops what it started when the command
+ends. Two runs on one machine therefore never share a database, a broker or a Redis db.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import time
 from pathlib import Path
 
 from tests.support.ports import LOOPBACK, free_port, port_accepts
+from tests.support.rabbitmq import PrivateRabbit
+from tests.support.waiting import wait_until
 
 POSTGRES_BIN_ROOT = Path("/usr/lib/postgresql")
 # Never durable: these servers exist for one test run. Crash safety is what fault tests
@@ -83,12 +86,29 @@ def _run(argv: list[str], *, timeout: float = 60.0) -> str:
     return result.stdout
 
 
-def _wait_for_port(port: int, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not port_accepts(port):
-        if time.monotonic() > deadline:
-            raise ServiceError(f"{what} did not listen on port {port} within {timeout}s")
-        time.sleep(0.05)
+def _wait_for_port(
+    port: int,
+    timeout: float,
+    what: str,
+    log: Path | None = None,
+    process: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Until the server accepts on `port`; a server that exits or never listens says why (the
+    end of its log)."""
+
+    def tail() -> str:
+        text = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+        return f"{what} did not listen on port {port}\n{text}"
+
+    def listening() -> bool:
+        if process is not None and process.poll() is not None:
+            raise ServiceError(f"{what} exited with {process.returncode}: {tail()}")
+        return port_accepts(port)
+
+    try:
+        wait_until(listening, timeout, tail)
+    except TimeoutError as error:
+        raise ServiceError(str(error)) from None
 
 
 class PrivatePostgres:
@@ -130,7 +150,7 @@ class PrivatePostgres:
         flags = " ".join(f"-c {key}={value}" for key, value in options.items())
         return f"{flags} -k {self.workdir}"
 
-    def start(self, timeout: float = 30.0) -> PrivatePostgres:
+    def start(self, timeout: float = 60.0) -> PrivatePostgres:
         if not self.data.exists():
             self.init()
         _run(
@@ -151,7 +171,7 @@ class PrivatePostgres:
             ),
             timeout=timeout + 10,
         )
-        _wait_for_port(self.port, timeout, "postgres")
+        _wait_for_port(self.port, timeout, "postgres", self.log)
         return self
 
     def stop(self, mode: str = "fast", timeout: float = 30.0) -> None:
@@ -265,7 +285,7 @@ class PrivateRedis:
         self.workdir = Path(tempfile.mkdtemp(prefix="relay-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 15.0) -> PrivateRedis:
+    def start(self, timeout: float = 60.0) -> PrivateRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise ServiceError("redis-server not found: install redis-server (`make test` does)")
@@ -291,7 +311,7 @@ class PrivateRedis:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        _wait_for_port(self.port, timeout, "redis")
+        _wait_for_port(self.port, timeout, "redis", self.workdir / "redis.log", self.process)
         return self
 
     def stop(self) -> None:
@@ -337,10 +357,10 @@ class PrivateRedis:
 
 def session_environment(
     environ: dict[str, str],
-) -> tuple[dict[str, str], list[PrivatePostgres | PrivateRedis]]:
+) -> tuple[dict[str, str], list[PrivatePostgres | PrivateRedis | PrivateRabbit]]:
     """The environment a test session runs with, and the servers started for it."""
     env = dict(environ)
-    started: list[PrivatePostgres | PrivateRedis] = []
+    started: list[PrivatePostgres | PrivateRedis | PrivateRabbit] = []
     database_url = env.get("TEST_DATABASE_URL", "")
     if not database_url:
         postgres = PrivatePostgres()
@@ -348,18 +368,24 @@ def session_environment(
         postgres.start()
         database_url = postgres.create_database("relay")
     broker_url = env.get("TEST_BROKER_URL", "")
-    cache_url = env.get("TEST_CACHE_URL", "")
     if not broker_url:
+        rabbit = PrivateRabbit("relay")
+        started.append(rabbit)
+        rabbit.start()
+        broker_url = rabbit.url()
+    state_url = env.get("TEST_STATE_URL", "")
+    cache_url = env.get("TEST_CACHE_URL", "")
+    if not state_url:
         redis = PrivateRedis()
         started.append(redis)
         redis.start()
-        broker_url = redis.url(0)
+        state_url = redis.url(0)
         cache_url = cache_url or redis.url(1)
     env["DATABASE_URL"] = database_url
     env["CELERY_BROKER_URL"] = broker_url
+    env["RELAY_STATE_URL"] = state_url  # Redis holds state only, as in production
     if cache_url:
         env["CACHE_URL"] = cache_url
-    env.pop("RELAY_STATE_URL", None)  # the broker's Redis, as in production
     return env, started
 
 

@@ -11,13 +11,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import pyspark
 
 from tests.support.ports import LOOPBACK, free_port
+from tests.support.waiting import wait_until
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 
@@ -75,11 +75,12 @@ class SparkStandalone:
             "--webui-port",
             str(self.worker_ui_port),
         )
-        deadline = time.monotonic() + timeout
-        while self.alive_workers() < 1:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no Spark worker registered; logs in {self.workdir}")
-            time.sleep(0.5)
+        wait_until(
+            lambda: self.alive_workers() >= 1,
+            timeout,
+            f"a Spark worker registers (logs in {self.workdir})",
+            interval=0.5,
+        )
         return self
 
     def alive_workers(self) -> int:

@@ -1,8 +1,8 @@
-"""The end of every failed or retried test's traceback, as `TRACE <test> | <line>` lines.
+"""The end of every failed test's traceback, as `TRACE <test> | <line>` lines.
 
-Why: CI keeps only the end of `make test`'s output, and a test that failed once and passed on
-its retry (pytest-rerunfailures) leaves no traceback at all. tests/support/parallel.py puts
-these lines into its summary, the last thing printed, so the first failure can be read.
+Why: CI keeps only the end of `make test`'s output, where pytest's own tracebacks of three jobs
+side by side are long gone. tests/support/parallel.py puts these lines into its summary, the
+last thing printed, so the first failure can be read.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.outcome not in ("rerun", "failed") or not report.longrepr or _config is None:
+    if report.outcome != "failed" or not report.longrepr or _config is None:
         return
     reporter = _config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:

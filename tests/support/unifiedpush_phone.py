@@ -145,7 +145,7 @@ class Phone(XmppTestClient):
         self._xmpp.send_presence(pto=component_jid)
         await self._xmpp.waiting_queue.join()
 
-    def wait_for_pushes(self, count: int, timeout: float = 15.0) -> list[Push]:
+    def wait_for_pushes(self, count: int, timeout: float = 60.0) -> list[Push]:
         deadline = time.monotonic() + timeout
         with self._pushes_changed:
             while len(self.pushes) < count:

@@ -50,7 +50,7 @@ DATA_FORMS_NS = "jabber:x:data"
 PING_NS = "urn:xmpp:ping"
 PUBLISH_OPTIONS_FORM_TYPE = "http://jabber.org/protocol/pubsub#publish-options"
 
-DEFAULT_TIMEOUT = 10.0
+DEFAULT_TIMEOUT = 30.0  # a deadline, not a wait: room for a loaded machine
 
 
 class C2sEndpoint(Protocol):

@@ -34,6 +34,7 @@ from typing import IO, Any, ClassVar, Self
 import yaml
 
 from tests.support.ports import LOOPBACK, free_port, port_accepts
+from tests.support.waiting import wait_until
 
 Component = tuple[str, str]
 """An XEP-0114 component: (jid, secret)."""
@@ -69,8 +70,8 @@ class XmppServer(ABC):
         workdir: str | Path | None = None,
         c2s_port: int | None = None,
         component_port: int | None = None,
-        startup_timeout: float = 20.0,
-        stop_timeout: float = 5.0,
+        startup_timeout: float = 60.0,
+        stop_timeout: float = 30.0,
     ) -> None:
         self._components: tuple[Component, ...] = tuple((str(j), str(s)) for j, s in components)
         if not self._components:
@@ -183,7 +184,7 @@ class XmppServer(ABC):
             _running.discard(self)
             if proc.poll() is None and not graceful:
                 self._kill_group(proc)
-                proc.wait(5)
+                proc.wait(30)
             elif proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
@@ -191,7 +192,7 @@ class XmppServer(ABC):
                     proc.wait(self.stop_timeout)
                 except subprocess.TimeoutExpired:
                     self._kill_group(proc)
-                    proc.wait(5)
+                    proc.wait(30)
             # Helpers the server spawned in its own session (e.g. Erlang port programs).
             self._kill_group(proc)
         if self._console is not None:
@@ -233,17 +234,17 @@ class XmppServer(ABC):
         """What the process wrote to stdout/stderr (all starts of this instance)."""
         return _read_text(self.console_path)
 
-    def wait_for_log(self, text: str, timeout: float = 5.0, *, since: int = 0) -> None:
+    def wait_for_log(self, text: str, timeout: float = 30.0, *, since: int = 0) -> None:
         """Wait until the server log contains ``text`` (after byte offset ``since``).
 
         ``since=server.log_size()`` taken before an action only looks at what followed it.
         Raises TimeoutError with the log tail.
         """
-        deadline = time.monotonic() + timeout
-        while text not in _read_text(self.log_path, since):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{text!r} not in the {self.kind} log\n{self.log_tail()}")
-            time.sleep(0.05)
+        wait_until(
+            lambda: text in _read_text(self.log_path, since),
+            timeout,
+            lambda: f"{text!r} in the {self.kind} log\n{self.log_tail()}",
+        )
 
     def log_size(self) -> int:
         """The current size of the server log in bytes (an offset for ``wait_for_log``)."""
@@ -332,8 +333,8 @@ class ProsodyServer(XmppServer):
         workdir: str | Path | None = None,
         c2s_port: int | None = None,
         component_port: int | None = None,
-        startup_timeout: float = 10.0,
-        stop_timeout: float = 5.0,
+        startup_timeout: float = 60.0,
+        stop_timeout: float = 30.0,
     ) -> None:
         super().__init__(
             components,
@@ -414,8 +415,8 @@ class EjabberdServer(XmppServer):
         workdir: str | Path | None = None,
         c2s_port: int | None = None,
         component_port: int | None = None,
-        startup_timeout: float = 30.0,
-        stop_timeout: float = 3.0,
+        startup_timeout: float = 120.0,
+        stop_timeout: float = 30.0,
     ) -> None:
         super().__init__(
             components,

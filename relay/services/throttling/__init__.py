@@ -11,7 +11,8 @@ transaction on a single host), so the gateway's hot path stays cheap:
   the window's end; further publishes fold into it. The delayed send carries the latest
   message counts, and is important if ANY folded publish was (a later silent publish never
   downgrades an important one: the user would miss the alert). Folded publishes are answered
-  `result`: the pending send is already durably queued.
+  `result`: the pending send is already durably kept (a deferred send in the database,
+  relay/services/deferred.py, queued by beat's sweep at the window's end).
 
 The same stores keep the token buckets that limit new registrations (`take_tokens`: one
 token from several buckets, all or none, in one round trip; relay.services.registrations).
@@ -175,7 +176,7 @@ def take(*, registration: Registration, push_id: str) -> Taken | None:
 
 
 def abandon(*, registration: Registration, push_id: str) -> None:
-    """The delayed send `push_id` could not be queued: later publishes must not fold into it."""
+    """The delayed send `push_id` could not be kept: later publishes must not fold into it."""
     try:
         _store().abandon(window_key(registration), push_id)
     except StateUnavailable as error:

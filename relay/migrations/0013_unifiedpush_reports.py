@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('relay', '0011_registration_event_outlives_app'),
+        ('relay', '0012_deferred_send'),
     ]
 
     operations = [
