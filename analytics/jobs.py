@@ -165,9 +165,10 @@ def run(spark: SparkSession, config: JobConfig, progress: Progress = print) -> R
     say = steps.say
     days = config.days
     say(f"days {config.since}..{config.until} from {config.source.describe()}")
-    tenants, apps, components = sources.names(spark, config.source)
-    stats = sources.day_stats(spark, config.source, config.since, config.until)
-    pruned_through = sources.pruned_through(spark, config.source)
+    with sources.connected(config.source) as conn:
+        tenants, apps, components = sources.names(conn)
+        stats = sources.day_stats(conn, config.since, config.until)
+        pruned_through = sources.pruned_through(conn)
     current = {day: fingerprint(stats.get(day, {})) for day in days}
     stored = store.read_fingerprints(spark, config.output)
     # What is left of a pruned day's records would replace its report (bills are made from
@@ -252,21 +253,24 @@ def _compute_days(
         stats.get(day, {}).get(source.name, sources.DayStats(0, 0, 0, 0)).rows
         for day in changed
         for source in sources.SOURCES
-        if source.facts is not None
+        if source.sums
     )
-    facts, partitions = sources.read_facts(
+    partial_sums, histogram, partitions = sources.read_sums(
         spark, config.source, changed, stats, rows_per_partition=config.rows_per_partition
     )
     summary.partitions = partitions
-    steps.say(f"reading {expected} row(s) in {partitions} JDBC partition(s)")
-    # One pass over the rows sums them by the finest key every report needs (small); the
-    # percentiles need each latency, so delivered pushes' latencies are a second, narrow read.
-    sums = reports.summed(facts).persist(StorageLevel.MEMORY_AND_DISK)
+    steps.say(f"summing {expected} row(s) in PostgreSQL, {partitions} JDBC partition(s)")
+    # PostgreSQL sums each partition by the finest key every report needs and buckets its
+    # latencies; Spark merges the partitions' sums (small) and keeps them for every report.
+    sums = reports.summed(partial_sums).persist(StorageLevel.MEMORY_AND_DISK)
     summary.rows_read = int(cast(Row, sums.agg(F.sum("rows")).first())[0] or 0)
-    steps.done(f"read and summed {summary.rows_read} row(s)")
-    latencies = sources.read_latencies(
-        spark, config.source, changed, stats, rows_per_partition=config.rows_per_partition
+    buckets = _rows(
+        histogram.groupBy("day", "tenant_id", "app_id", "provider", "bucket").agg(
+            F.sum("n").alias("n"), F.min("low").alias("low")
+        )
     )
+    steps.done(f"summed {summary.rows_read} row(s), {len(buckets)} latency bucket(s)")
+    latencies = spark.createDataFrame(reports.percentile_rows(buckets), reports.LATENCY_SCHEMA)
     usage = _named(reports.usage(sums, latencies), tenant_names, app_names)
     store.replace_days(spark, config.output, "usage", usage, changed)
     steps.done("usage and latency percentiles")
@@ -297,7 +301,7 @@ def _compute_days(
     steps.done("publishing domains, error codes and UnifiedPush")
 
     registration_rows = reports.registrations(
-        _rows(sources.jdbc_query(spark, config.source, sources.registration_sql(min(changed)))),
+        _registration_rows(config, min(changed)),
         changed,
     )
     registrations = spark.createDataFrame(registration_rows, reports.REGISTRATION_SCHEMA)
@@ -309,6 +313,11 @@ def _compute_days(
         changed,
     )
     steps.done("registrations")
+
+
+def _registration_rows(config: JobConfig, first: date) -> list[dict[str, Any]]:
+    with sources.connected(config.source) as conn:
+        return sources.query(conn, sources.registration_sql(first))
 
 
 def _anomalies(

@@ -1,15 +1,19 @@
-"""The reports as DataFrame transformations: facts in, one DataFrame per report out.
+"""The reports as DataFrame transformations: sums in, one DataFrame per report out.
 
-Latency percentiles use Spark's `percentile_approx` with accuracy ACCURACY: the value
-returned for percentile p has a rank within n / ACCURACY of the exact rank ceil(p * n) (n:
-the latencies in the group), so a group of at most ACCURACY pushes gets the exact value.
+Latency percentiles come from histograms PostgreSQL builds per partition (analytics.sources:
+1 ms buckets under 10 ms, 1% buckets above, each keeping the smallest latency it holds): the
+value returned for percentile p is an actual latency of the group, at most 1% (1 ms under
+10 ms) below the exact value of rank ceil(p * n) among its n latencies, and equal to it when
+that bucket holds one distinct value.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from datetime import date, timedelta
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -17,7 +21,6 @@ from pyspark.sql import functions as F
 from analytics.config import Thresholds
 from analytics.schema import COUNT_COLUMNS, UNIFIEDPUSH, UNIFIEDPUSH_OUTCOMES
 
-ACCURACY = 10_000
 PERCENTILES = (0.5, 0.95, 0.99)
 
 
@@ -36,7 +39,7 @@ def _ratio(numerator: str, denominator: str) -> F.Column:
     return F.when(F.col(denominator) > 0, F.col(numerator) / F.col(denominator))
 
 
-# The key the facts are summed by once, before any report: every report's key is a part of
+# The key the sums are merged by once, before any report: every report's key is a part of
 # it, so the reports read this small table instead of the rows.
 FINE_KEY = (
     "day",
@@ -50,10 +53,10 @@ FINE_KEY = (
 )
 
 
-def summed(facts: DataFrame) -> DataFrame:
-    """The facts' counts per FINE_KEY (and how many rows they came from)."""
-    return facts.groupBy(*FINE_KEY).agg(
-        F.count(F.lit(1)).alias("rows"), *[F.sum(name).alias(name) for name in COUNT_COLUMNS]
+def summed(sums: DataFrame) -> DataFrame:
+    """The partitions' sums merged per FINE_KEY (a key a big day's id ranges share)."""
+    return sums.groupBy(*FINE_KEY).agg(
+        *[F.sum(name).alias(name) for name in ("rows", *COUNT_COLUMNS)]
     )
 
 
@@ -61,29 +64,64 @@ _SETS = (
     "GROUPING SETS ((day, tenant_id, app_id, provider), (day, tenant_id, app_id), "
     "(day, tenant_id), (day))"
 )
+# The grouping sets' keys as grouping_id() numbers them: which of the key's columns count.
+_LEVEL_KEYS = {0: (True, True, True), 1: (True, True, False), 3: (True, False, False)}
+LATENCY_SCHEMA = (
+    "day date, g int, tenant_id long, app_id long, provider string, latency array<double>"
+)
+
+
+def percentile_rows(histogram: Iterable[Any]) -> list[tuple]:
+    """Per day and grouping set (as `usage` numbers them), p50/p95/p99 from the merged
+    histogram rows (day, tenant_id, app_id, provider, bucket, n, low): the smallest latency
+    of the bucket where the rank ceil(p * n) falls."""
+    groups: dict[tuple, dict[int, list]] = defaultdict(dict)
+    for row in histogram:
+        day, tenant, app, provider = row["day"], row["tenant_id"], row["app_id"], row["provider"]
+        for g, (has_tenant, has_app, has_provider) in (*_LEVEL_KEYS.items(), (7, (False,) * 3)):
+            key = (
+                day,
+                g,
+                tenant if has_tenant else None,
+                app if has_app else None,
+                provider if has_provider else None,
+            )
+            bucket = groups[key].get(row["bucket"])
+            if bucket is None:
+                groups[key][row["bucket"]] = [row["n"], row["low"]]
+            else:
+                bucket[0] += row["n"]
+                bucket[1] = min(bucket[1], row["low"])
+    result = []
+    for key, buckets in groups.items():
+        ordered = sorted(buckets.items())
+        total = sum(n for _, (n, _) in ordered)
+        values = []
+        for p in PERCENTILES:
+            rank, seen = max(1, math.ceil(p * total)), 0
+            for _, (n, low) in ordered:
+                seen += n
+                if seen >= rank:
+                    values.append(float(low))
+                    break
+        result.append((*key, values))
+    return result
 
 
 def usage(sums: DataFrame, latencies: DataFrame) -> DataFrame:
     """Per day at four levels (tenant+app+provider, tenant+app, tenant, all tenants): the
     counts (from `summed`) and the publish -> provider answer latency of delivered pushes
-    (from `sources.read_latencies`: the percentiles need every value, so their own pass)."""
+    (`latencies`: `percentile_rows` as a DataFrame of LATENCY_SCHEMA)."""
     spark = sums.sparkSession
     sums.createOrReplaceTempView("sums")
-    latencies.createOrReplaceTempView("latencies")
     totals = ", ".join(f"sum({name}) AS {name}" for name in COUNT_COLUMNS)
-    quantiles = ", ".join(str(p) for p in PERCENTILES)
     counts = spark.sql(
         f"SELECT day, grouping_id() AS g, tenant_id, app_id, provider, {totals} FROM sums "
         f"GROUP BY day, tenant_id, app_id, provider {_SETS}"
     )
-    latency = spark.sql(
-        f"SELECT day, grouping_id() AS g, tenant_id, app_id, provider, "
-        f"percentile_approx(latency_ms, array({quantiles}), {ACCURACY}) AS latency "
-        f"FROM latencies GROUP BY day, tenant_id, app_id, provider {_SETS}"
-    )
     keys = ["day", "g", "tenant_id", "app_id", "provider"]
     joined = counts.alias("c").join(
-        latency.alias("l"),
+        F.broadcast(latencies).alias("l"),
         [F.col(f"c.{key}").eqNullSafe(F.col(f"l.{key}")) for key in keys],
         "left",
     )

@@ -1,9 +1,13 @@
-"""The relay's tables as the reports read them: fingerprints per day, partitioned JDBC reads,
-and one common shape ("facts") that every source of pushes maps its rows to.
+"""The relay's tables as the reports read them: fingerprints per day, and each source of
+pushes summed by PostgreSQL itself, one JDBC partition (a day, or an id range of a big day)
+per query, into one common shape ("sums") and a latency histogram.
 
-Adding a source (e.g. the UnifiedPush deliveries) is one more `Source` in `SOURCES`: its
-table, its time column, a cheap checksum for the fingerprint, and a mapping of its rows onto
-`FACT_COLUMNS`. Nothing else changes: fingerprints, reads and every report pick it up.
+Spark never decodes the rows: each partition's query groups them by the finest key every
+report needs (day, tenant, app, component, provider, publishing domain, outcome, error code)
+and by latency bucket, so what crosses JDBC is a few thousand rows per day whatever the
+volume. Adding a source (e.g. the UnifiedPush deliveries) is one more `Source` in `SOURCES`:
+its table, its time column, a cheap checksum for the fingerprint, and its two aggregate
+queries. Nothing else changes: fingerprints, reads and every report pick it up.
 
 Only table and column names of the relay are known here; nothing of its code is imported.
 """
@@ -11,30 +15,55 @@ Only table and column names of the relay are known here; nothing of its code is 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
+from typing import Any
 
-from pyspark.sql import Column, DataFrame, SparkSession
-from pyspark.sql import functions as F
+import psycopg
+from psycopg.rows import dict_row
+from pyspark.sql import DataFrame, SparkSession
 
 from analytics.config import Database
 from analytics.schema import COUNT_COLUMNS, UNIFIEDPUSH
 
-# Every source of pushes becomes rows of this shape; counts are per row (a tally row carries
-# many publishes), latency only where a provider answered a delivered push.
-FACT_COLUMNS = (
-    "day",
+# What every source's sums query returns per partition, and the reports' finest key.
+KEY_COLUMNS = (
     "tenant_id",
     "app_id",
     "component_id",
     "provider",
     "publishing_domain",
-    *COUNT_COLUMNS,
-    "latency_ms",
     "outcome",
     "error_code",
 )
+SUM_COLUMNS = ("day", *KEY_COLUMNS, "rows", *COUNT_COLUMNS)
+SUM_SCHEMA = (
+    "day date, tenant_id long, app_id long, component_id long, provider string, "
+    "publishing_domain string, outcome string, error_code string, rows long, "
+    + ", ".join(f"{name} long" for name in COUNT_COLUMNS)
+)
+HISTOGRAM_COLUMNS = ("day", "tenant_id", "app_id", "provider", "bucket", "n", "low")
+
+# Latency buckets: 1 ms wide under 10 ms, then 1% wide (about 1,300 buckets up to an hour).
+# A bucket keeps the smallest latency it holds, so a percentile is an actual latency of its
+# group, within 1% (1 ms under 10 ms) below the exact one.
+RELATIVE_ERROR = 0.01
+BUCKET_SQL = (
+    "CAST(CASE WHEN latency_ms < 10 THEN floor(latency_ms) "
+    "ELSE 10 + floor(ln(latency_ms / 10) / ln(1.01)) END AS bigint)"
+)
+
+_ZERO = "CAST(0 AS bigint)"
+
+
+def _zeros(*names: str) -> str:
+    return ", ".join(f"{_ZERO} AS {name}" for name in names)
+
+
+def _counted(condition: str) -> str:
+    return f"count(*) FILTER (WHERE {condition})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,93 +73,14 @@ class Source:
     time_column: str
     # SQL aggregate over the day's rows that changes when a row is updated in place.
     checksum: str
-    # Columns to read (pushed down: Spark selects only these).
-    columns: tuple[str, ...]
-    # Rows -> FACT_COLUMNS; None for a source that is not pushes (the lifecycle log).
-    facts: Callable[[DataFrame], DataFrame] | None
+    # The partition's rows summed by KEY_COLUMNS: SELECT ... (the key, then rows and
+    # COUNT_COLUMNS) with {where} for the partition; "" for a source that is not pushes.
+    sums: str = ""
+    # The partition's delivered latencies by bucket: tenant_id, app_id, provider, bucket,
+    # n, low (the smallest latency in ms); "" when the source has no answer time.
+    histogram: str = ""
     # Slice big days into id ranges of about `rows_per_partition` rows each.
     split_days: bool = False
-    # What the reads select from, when not the table itself: a view computed by PostgreSQL
-    # (the UTC day, a latency) so Spark decodes one small value instead of timestamps.
-    read_from: str = ""
-    # Rows that have a latency (SQL, pushed down), their columns, and -> LATENCY_COLUMNS.
-    latency_where: str = ""
-    latency_columns: tuple[str, ...] = ()
-    latencies: Callable[[DataFrame], DataFrame] | None = None
-
-
-def _count(condition: Column) -> Column:
-    return F.when(condition, F.lit(1)).otherwise(F.lit(0)).cast("long")
-
-
-def _delivery_facts(rows: DataFrame) -> DataFrame:
-    delivered = F.col("outcome") == "delivered"
-    return rows.select(
-        F.col("day"),
-        F.col("tenant_id").cast("long"),
-        F.col("app_id").cast("long"),
-        F.lit(None).cast("long").alias("component_id"),
-        F.col("provider"),
-        F.lower(F.col("publishing_domain")).alias("publishing_domain"),
-        F.lit(0).cast("long").alias("publishes_received"),
-        F.lit(1).cast("long").alias("pushes_sent"),
-        _count(delivered).alias("delivered"),
-        _count(F.col("outcome") == "dead_token").alias("dead_tokens"),
-        _count(F.col("attempts") > 1).alias("retried"),
-        _count(F.col("outcome") == "failed").alias("failed"),
-        F.lit(0).cast("long").alias("coalesced"),
-        F.lit(0).cast("long").alias("rate_limited"),
-        F.lit(0).cast("long").alias("refused"),
-        F.lit(0).cast("long").alias("unavailable"),
-        F.lit(0).cast("long").alias("bytes_relayed"),
-        # Latencies have a narrow read of their own (`read_latencies`).
-        F.lit(None).cast("double").alias("latency_ms"),
-        F.col("outcome"),
-        F.col("error_code"),
-    )
-
-
-LATENCY_COLUMNS = ("day", "tenant_id", "app_id", "provider", "latency_ms")
-
-
-def _delivery_latencies(rows: DataFrame) -> DataFrame:
-    return rows.select(
-        F.col("day"),
-        F.col("tenant_id").cast("long"),
-        F.col("app_id").cast("long"),
-        F.col("provider"),
-        F.col("latency_ms"),
-    )
-
-
-def _tally_facts(rows: DataFrame) -> DataFrame:
-    count = F.col("count").cast("long")
-
-    def when(*verdicts: str) -> Column:
-        return F.when(F.col("verdict").isin(*verdicts), count).otherwise(F.lit(0).cast("long"))
-
-    return rows.select(
-        F.to_date("minute").alias("day"),
-        F.col("tenant_id").cast("long"),
-        F.col("app_id").cast("long"),
-        F.lit(None).cast("long").alias("component_id"),
-        F.col("provider"),
-        F.col("publishing_domain"),
-        count.alias("publishes_received"),
-        F.lit(0).cast("long").alias("pushes_sent"),
-        F.lit(0).cast("long").alias("delivered"),
-        F.lit(0).cast("long").alias("dead_tokens"),
-        F.lit(0).cast("long").alias("retried"),
-        F.lit(0).cast("long").alias("failed"),
-        when("coalesced").alias("coalesced"),
-        when("rate-limited").alias("rate_limited"),
-        when("unknown-node", "forbidden").alias("refused"),
-        when("unavailable").alias("unavailable"),
-        F.lit(0).cast("long").alias("bytes_relayed"),
-        F.lit(None).cast("double").alias("latency_ms"),
-        F.lit("").alias("outcome"),
-        F.lit("").alias("error_code"),
-    )
 
 
 DELIVERIES = Source(
@@ -138,118 +88,100 @@ DELIVERIES = Source(
     table="relay_delivery",
     time_column="received",
     # A redelivered or replayed push updates its row in place (same id, same count): its
-    # outcome, attempts, error code or send time (the latency) change. Integer sums only (a
-    # hash of each row's text cost more than the rest of the scan); the send time as
+    # outcome, attempts, error code or send time (the latency) change. Integer sums only
+    # (hashing each row's text would cost more than the rest of the scan); the send time as
     # microseconds after the publish, summed exactly (numeric) and folded below 2^31.
     checksum="sum(attempts) + 1009 * count(sent) "
     "+ 7919 * count(*) FILTER (WHERE outcome = 'delivered') "
     "+ 104729 * count(*) FILTER (WHERE outcome = 'failed') + 3 * sum(length(error_code)) "
     "+ 31 * mod(coalesce(sum(CAST(date_part('epoch', sent - received) * 1000000 AS bigint)), 0), "
     "2147483647)",
-    read_from="(SELECT d.*, CAST((received AT TIME ZONE 'UTC') AS date) AS day, "
-    "date_part('epoch', sent - received) * 1000 AS latency_ms FROM relay_delivery d) AS d",
-    columns=(
-        "tenant_id",
-        "app_id",
-        "provider",
-        "publishing_domain",
-        "day",
-        "attempts",
-        "outcome",
-        "error_code",
-    ),
-    facts=_delivery_facts,
+    sums="SELECT tenant_id, app_id, CAST(NULL AS bigint) AS component_id, provider, "
+    "lower(publishing_domain) AS publishing_domain, outcome, error_code, count(*) AS rows, "
+    f"{_ZERO} AS publishes_received, count(*) AS pushes_sent, "
+    + _counted("outcome = 'delivered'")
+    + " AS delivered, "
+    + _counted("outcome = 'dead_token'")
+    + " AS dead_tokens, "
+    + _counted("attempts > 1")
+    + " AS retried, "
+    + _counted("outcome = 'failed'")
+    + " AS failed, "
+    f"{_zeros('coalesced', 'rate_limited', 'refused', 'unavailable', 'bytes_relayed')} "
+    "FROM relay_delivery WHERE {where} "
+    "GROUP BY tenant_id, app_id, provider, lower(publishing_domain), outcome, error_code",
+    histogram="SELECT tenant_id, app_id, provider, "
+    f"{BUCKET_SQL} AS bucket, count(*) AS n, min(latency_ms) AS low FROM ("
+    "SELECT tenant_id, app_id, provider, "
+    "date_part('epoch', sent - received) * 1000 AS latency_ms FROM relay_delivery "
+    "WHERE {where} AND outcome = 'delivered' AND sent IS NOT NULL) AS l "
+    "GROUP BY tenant_id, app_id, provider, bucket",
     split_days=True,
-    latency_where="outcome = 'delivered' AND sent IS NOT NULL",
-    latency_columns=("day", "tenant_id", "app_id", "provider", "latency_ms"),
-    latencies=_delivery_latencies,
 )
 TALLIES = Source(
     name="tallies",
     table="relay_publishtally",
     time_column="minute",
     checksum="sum(count)",  # upserts add to a row's count
-    columns=(
-        "tenant_id",
-        "app_id",
-        "provider",
-        "publishing_domain",
-        "verdict",
-        "count",
-        "minute",
-    ),
-    facts=_tally_facts,
+    sums="SELECT tenant_id, app_id, CAST(NULL AS bigint) AS component_id, provider, "
+    "publishing_domain, '' AS outcome, '' AS error_code, count(*) AS rows, "
+    "CAST(sum(count) AS bigint) AS publishes_received, "
+    f"{_zeros('pushes_sent', 'delivered', 'dead_tokens', 'retried', 'failed')}, "
+    "CAST(coalesce(sum(count) FILTER (WHERE verdict = 'coalesced'), 0) AS bigint) "
+    "AS coalesced, "
+    "CAST(coalesce(sum(count) FILTER (WHERE verdict = 'rate-limited'), 0) AS bigint) "
+    "AS rate_limited, "
+    "CAST(coalesce(sum(count) FILTER (WHERE verdict IN ('unknown-node', 'forbidden')), 0) "
+    "AS bigint) AS refused, "
+    "CAST(coalesce(sum(count) FILTER (WHERE verdict = 'unavailable'), 0) AS bigint) "
+    f"AS unavailable, {_ZERO} AS bytes_relayed "
+    "FROM relay_publishtally WHERE {where} "
+    "GROUP BY tenant_id, app_id, provider, publishing_domain",
 )
-
-
-def _unifiedpush_facts(rows: DataFrame) -> DataFrame:
-    """A UnifiedPush message (a POST, or a Matrix gateway notification for one device) as a
-    push of provider `up`: received and finished once; delivered when the phone answered;
-    the other outcomes as the push counters closest to them (revoked: the phone's endpoint is
-    gone, a dead token; expired and dropped: lost, failed; replaced by a newer message with
-    its Topic: coalesced) and each by name as its `error_code`. No app: the component says
-    where it went; no publishing domain."""
-    outcome = F.col("outcome")
-    return rows.select(
-        F.col("day"),
-        F.col("tenant_id").cast("long"),
-        F.lit(None).cast("long").alias("app_id"),
-        F.col("component_id").cast("long"),
-        F.lit(UNIFIEDPUSH).alias("provider"),
-        F.lit(None).cast("string").alias("publishing_domain"),
-        F.lit(1).cast("long").alias("publishes_received"),
-        F.lit(1).cast("long").alias("pushes_sent"),
-        _count(outcome == "delivered").alias("delivered"),
-        _count(outcome == "revoked").alias("dead_tokens"),
-        _count(F.col("attempts") > 1).alias("retried"),
-        _count(outcome.isin("expired", "dropped")).alias("failed"),
-        _count(outcome == "replaced").alias("coalesced"),
-        F.lit(0).cast("long").alias("rate_limited"),
-        F.lit(0).cast("long").alias("refused"),
-        F.lit(0).cast("long").alias("unavailable"),
-        F.when(outcome == "delivered", F.col("size").cast("long"))
-        .otherwise(F.lit(0).cast("long"))
-        .alias("bytes_relayed"),
-        F.lit(None).cast("double").alias("latency_ms"),
-        outcome,
-        F.when(outcome == "delivered", F.lit("")).otherwise(outcome).alias("error_code"),
-    )
-
-
-def _unifiedpush_latencies(rows: DataFrame) -> DataFrame:
-    return rows.select(
-        F.col("day"),
-        F.col("tenant_id").cast("long"),
-        F.lit(None).cast("long").alias("app_id"),
-        F.lit(UNIFIEDPUSH).alias("provider"),
-        F.col("latency_ms"),
-    )
-
-
 # Written by the UnifiedPush app (relay.unifiedpush): one row per message once it ended,
-# never updated.
+# never updated. A message (a POST, or a Matrix gateway notification for one device) is a
+# push of provider `up`: received and finished once; delivered when the phone answered; the
+# other outcomes as the push counters closest to them (revoked: the phone's endpoint is
+# gone, a dead token; expired and dropped: lost, failed; replaced by a newer message with its
+# Topic: coalesced) and each by name as its error code. No app (the component says where it
+# went), no publishing domain; its body bytes count once delivered.
 UNIFIEDPUSH_DELIVERIES = Source(
     name="unifiedpush",
     table="relay_unifiedpushdelivery",
     time_column="received",
     checksum="sum(size) + 7 * sum(attempts)",
-    read_from="(SELECT u.*, CAST((received AT TIME ZONE 'UTC') AS date) AS day, "
+    sums="SELECT tenant_id, CAST(NULL AS bigint) AS app_id, "
+    f"CAST(component_id AS bigint) AS component_id, '{UNIFIEDPUSH}' AS provider, "
+    "CAST(NULL AS text) AS publishing_domain, outcome, "
+    "CASE WHEN outcome = 'delivered' THEN '' ELSE outcome END AS error_code, "
+    "count(*) AS rows, count(*) AS publishes_received, count(*) AS pushes_sent, "
+    + _counted("outcome = 'delivered'")
+    + " AS delivered, "
+    + _counted("outcome = 'revoked'")
+    + " AS dead_tokens, "
+    + _counted("attempts > 1")
+    + " AS retried, "
+    + _counted("outcome IN ('expired', 'dropped')")
+    + " AS failed, "
+    + _counted("outcome = 'replaced'")
+    + " AS coalesced, "
+    f"{_zeros('rate_limited', 'refused', 'unavailable')}, "
+    "CAST(coalesce(sum(size) FILTER (WHERE outcome = 'delivered'), 0) AS bigint) "
+    "AS bytes_relayed "
+    "FROM relay_unifiedpushdelivery WHERE {where} GROUP BY tenant_id, component_id, outcome",
+    histogram="SELECT tenant_id, CAST(NULL AS bigint) AS app_id, "
+    f"'{UNIFIEDPUSH}' AS provider, {BUCKET_SQL} AS bucket, count(*) AS n, "
+    "min(latency_ms) AS low FROM (SELECT tenant_id, "
     "date_part('epoch', finished - received) * 1000 AS latency_ms "
-    "FROM relay_unifiedpushdelivery u) AS u",
-    columns=("tenant_id", "component_id", "day", "outcome", "size", "attempts"),
-    facts=_unifiedpush_facts,
+    "FROM relay_unifiedpushdelivery WHERE {where} AND outcome = 'delivered') AS l "
+    "GROUP BY tenant_id, bucket",
     split_days=True,
-    latency_where="outcome = 'delivered'",
-    latency_columns=("day", "tenant_id", "latency_ms"),
-    latencies=_unifiedpush_latencies,
 )
 EVENTS = Source(
     name="events",
     table="relay_registrationevent",
     time_column="at",
     checksum="sum(live_change)",
-    columns=(),
-    facts=None,
 )
 SOURCES: tuple[Source, ...] = (DELIVERIES, TALLIES, UNIFIEDPUSH_DELIVERIES, EVENTS)
 
@@ -268,9 +200,23 @@ def _day_range(source: Source, first: date, last: date) -> str:
     return f"{column} >= {_literal(start)} AND {column} < {_literal(end)}"
 
 
-def jdbc_query(spark: SparkSession, db: Database, sql: str) -> DataFrame:
-    """One query run by PostgreSQL (aggregates pushed down whole); its result is small."""
-    return spark.read.jdbc(db.jdbc_url, f"({sql}) AS q", properties=db.jdbc_properties)
+@contextmanager
+def connected(db: Database) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+    """A libpq connection whose rows are dicts, for the small statements the driver runs
+    itself (fingerprints, retention cuts, names, registrations): no Spark job for those. A
+    connection lost on the way is Unreachable, like one that could not be made."""
+    conn = db.connect()
+    try:
+        conn.row_factory = dict_row  # type: ignore[assignment]
+        yield conn  # type: ignore[misc]
+    except psycopg.OperationalError as error:
+        raise db.unreachable(str(error).splitlines()[0] if str(error) else "lost") from None
+    finally:
+        conn.close()
+
+
+def query(conn: psycopg.Connection[Any], sql: str) -> list[dict[str, Any]]:
+    return list(conn.execute(sql).fetchall())
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,12 +243,12 @@ def fingerprint_sql(first: date, last: date, sources: Iterable[Source] = SOURCES
 
 
 def day_stats(
-    spark: SparkSession, db: Database, first: date, last: date
+    conn: psycopg.Connection[Any], first: date, last: date
 ) -> dict[date, dict[str, DayStats]]:
     """Per day and source, in one statement on the replica (one snapshot): index range scans
     and an aggregate, no rows leave PostgreSQL."""
     stats: dict[date, dict[str, DayStats]] = {}
-    for row in jdbc_query(spark, db, fingerprint_sql(first, last)).collect():
+    for row in query(conn, fingerprint_sql(first, last)):
         stats.setdefault(row["day"], {})[row["source"]] = DayStats(
             int(row["n"]), int(row["min_id"]), int(row["max_id"]), int(row["checksum"])
         )
@@ -324,123 +270,120 @@ def pruned_through_sql(sources: Iterable[Source] = SOURCES) -> str:
     )
 
 
-def pruned_through(spark: SparkSession, db: Database) -> date | None:
+def pruned_through(conn: psycopg.Connection[Any]) -> date | None:
     """The last day some of whose records the retention deleted (None: nothing pruned).
 
     Read after `day_stats`: the relay commits a cut before it deletes the rows, so every row
     missing from those fingerprints is covered by a cut this read sees."""
-    days = [row["last_day"] for row in jdbc_query(spark, db, pruned_through_sql()).collect()]
+    days = [row["last_day"] for row in query(conn, pruned_through_sql())]
     return max(days, default=None)
 
 
-def predicates(
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """What one JDBC partition reads of a source: a day, and an id range of it."""
+
+    day: date
+    low_id: int
+    high_id: int  # excluded
+
+
+_NO_ID_LIMIT = (-(2**63), 2**63 - 1)
+
+
+def partitions(
     source: Source, days: Iterable[date], stats: dict[date, dict[str, DayStats]], per: int
-) -> list[str]:
-    """One WHERE clause per JDBC partition: a day each, and a big day of a splittable source
-    cut into id ranges of about `per` rows (ids grow with time, so a range is contiguous)."""
-    clauses: list[str] = []
+) -> list[Partition]:
+    """A day each, and a big day of a splittable source cut into id ranges of about `per`
+    rows (ids grow with time, so a range is contiguous)."""
+    found: list[Partition] = []
     for day in days:
         day_stat = stats.get(day, {}).get(source.name)
         if day_stat is None:
             continue  # nothing on that day: no query at all
-        where = _day_range(source, day, day)
         slices = math.ceil(day_stat.rows / per) if source.split_days else 1
         if slices <= 1:
-            clauses.append(where)
+            found.append(Partition(day, *_NO_ID_LIMIT))
             continue
         span = day_stat.max_id - day_stat.min_id + 1
         step = math.ceil(span / slices)
         for low in range(day_stat.min_id, day_stat.max_id + 1, step):
-            clauses.append(f"{where} AND id >= {low} AND id < {low + step}")
-    return clauses
+            found.append(Partition(day, low, low + step))
+    return found
 
 
-def _jdbc(
-    spark: SparkSession, db: Database, source: Source, clauses: list[str], fetch_size: int
+def partitioned_sql(source: Source, template: str, parts: list[Partition]) -> str:
+    """`template` once per partition, its bounds written in, as branches of a UNION ALL
+    tagged `part`: Spark's predicate `part = n` leaves PostgreSQL one branch to run (the
+    others are constant-false and never executed), so each JDBC partition is one index range
+    scan and one aggregate, planned with the partition's own bounds."""
+    branches = []
+    for n, part in enumerate(parts):
+        where = _day_range(source, part.day, part.day)
+        if (part.low_id, part.high_id) != _NO_ID_LIMIT:
+            where += f" AND id >= {part.low_id} AND id < {part.high_id}"
+        branches.append(
+            f"SELECT {n} AS part, DATE '{part.day}' AS day, s.* "
+            f"FROM ({template.replace('{where}', where)}) AS s"
+        )
+    return "(" + " UNION ALL ".join(branches) + ") AS q"
+
+
+def _read(
+    spark: SparkSession, db: Database, source: Source, template: str, parts: list[Partition]
 ) -> DataFrame:
-    """A source's rows, one JDBC partition (one query) per WHERE clause; the columns the
-    caller selects are the only ones PostgreSQL sends."""
     return spark.read.jdbc(
         db.jdbc_url,
-        source.read_from or source.table,
-        predicates=clauses,
-        properties={**db.jdbc_properties, "fetchsize": str(fetch_size)},
+        partitioned_sql(source, template, parts),
+        predicates=[f"part = {n}" for n in range(len(parts))],
+        properties=db.jdbc_properties,
+    ).drop("part")
+
+
+def read_sums(
+    spark: SparkSession,
+    db: Database,
+    days: list[date],
+    stats: dict[date, dict[str, DayStats]],
+    *,
+    rows_per_partition: int,
+) -> tuple[DataFrame, DataFrame, int]:
+    """Every push source's rows of `days` summed by PostgreSQL per partition (SUM_COLUMNS),
+    their latency histograms (HISTOGRAM_COLUMNS), and how many JDBC partitions read them."""
+    sums: list[DataFrame] = []
+    histograms: list[DataFrame] = []
+    count = 0
+    for source in SOURCES:
+        if not source.sums:
+            continue
+        parts = partitions(source, days, stats, rows_per_partition)
+        if not parts:
+            continue
+        count += len(parts)
+        sums.append(_read(spark, db, source, source.sums, parts).select(*SUM_COLUMNS))
+        if source.histogram:
+            histograms.append(
+                _read(spark, db, source, source.histogram, parts).select(*HISTOGRAM_COLUMNS)
+            )
+    return (
+        _union(spark, sums, SUM_SCHEMA),
+        _union(spark, histograms, HISTOGRAM_SCHEMA),
+        count,
     )
 
 
-def read_facts(
-    spark: SparkSession,
-    db: Database,
-    days: list[date],
-    stats: dict[date, dict[str, DayStats]],
-    *,
-    rows_per_partition: int,
-    fetch_size: int = 10_000,
-) -> tuple[DataFrame, int]:
-    """Every push source's rows of `days` as facts, and how many JDBC partitions read them."""
-    frames: list[DataFrame] = []
-    partitions = 0
-    for source in SOURCES:
-        if source.facts is None:
-            continue
-        clauses = predicates(source, days, stats, rows_per_partition)
-        if not clauses:
-            continue
-        partitions += len(clauses)
-        rows = _jdbc(spark, db, source, clauses, fetch_size).select(*source.columns)
-        frames.append(source.facts(rows).select(*FACT_COLUMNS))
-    if not frames:
-        return empty_facts(spark), 0
-    facts = frames[0]
-    for frame in frames[1:]:
-        facts = facts.unionByName(frame)
-    return facts, partitions
-
-
-def read_latencies(
-    spark: SparkSession,
-    db: Database,
-    days: list[date],
-    stats: dict[date, dict[str, DayStats]],
-    *,
-    rows_per_partition: int,
-    fetch_size: int = 10_000,
-) -> DataFrame:
-    """The latency of every delivered push of `days`: a narrow read of its own (five columns,
-    delivered rows only, both pushed down), for the percentiles."""
-    frames: list[DataFrame] = []
-    for source in SOURCES:
-        if source.latencies is None:
-            continue
-        clauses = [
-            f"{clause} AND {source.latency_where}"
-            for clause in predicates(source, days, stats, rows_per_partition)
-        ]
-        if not clauses:
-            continue
-        rows = _jdbc(spark, db, source, clauses, fetch_size).select(*source.latency_columns)
-        frames.append(source.latencies(rows).select(*LATENCY_COLUMNS))
-    if not frames:
-        return spark.createDataFrame(
-            [], "day date, tenant_id long, app_id long, provider string, latency_ms double"
-        )
-    latencies = frames[0]
-    for frame in frames[1:]:
-        latencies = latencies.unionByName(frame)
-    return latencies
-
-
-FACT_SCHEMA = (
-    "day date, tenant_id long, app_id long, component_id long, provider string, "
-    "publishing_domain string, publishes_received long, pushes_sent long, delivered long, "
-    "dead_tokens long, retried long, failed long, coalesced long, rate_limited long, "
-    "refused long, unavailable long, bytes_relayed long, latency_ms double, outcome string, "
-    "error_code string"
+HISTOGRAM_SCHEMA = (
+    "day date, tenant_id long, app_id long, provider string, bucket long, n long, low double"
 )
 
 
-def empty_facts(spark: SparkSession) -> DataFrame:
-    return spark.createDataFrame([], FACT_SCHEMA)
+def _union(spark: SparkSession, frames: list[DataFrame], schema: str) -> DataFrame:
+    if not frames:
+        return spark.createDataFrame([], schema)
+    union = frames[0]
+    for frame in frames[1:]:
+        union = union.unionByName(frame)
+    return union
 
 
 def registration_sql(first: date) -> str:
@@ -460,18 +403,15 @@ def registration_sql(first: date) -> str:
     )
 
 
-def names(
-    spark: SparkSession, db: Database
-) -> tuple[dict[int, str], dict[int, str], dict[int, str]]:
+def names(conn: psycopg.Connection[Any]) -> tuple[dict[int, str], dict[int, str], dict[int, str]]:
     """Tenant and app names and component JIDs (a server's, never a user's) by id (small
     tables): the reports name what they count."""
     found: dict[str, dict[int, str]] = {"tenant": {}, "app": {}, "component": {}}
-    for row in jdbc_query(
-        spark,
-        db,
+    for row in query(
+        conn,
         "SELECT 'tenant' AS kind, id, name FROM relay_tenant UNION ALL "
         "SELECT 'app', id, name FROM relay_app UNION ALL "
         "SELECT 'component', id, jid FROM relay_component",
-    ).collect():
+    ):
         found[row["kind"]][int(row["id"])] = row["name"]
     return found["tenant"], found["app"], found["component"]

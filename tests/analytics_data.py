@@ -127,8 +127,10 @@ class ReportDatabase:
             return conn.execute(sql, params).fetchall()
 
     def wait_for_replica(self, timeout: float = 60.0) -> None:
-        """Until the replica has replayed everything the primary wrote so far."""
-        [(lsn,)] = self.rows("SELECT pg_current_wal_lsn()::text")
+        """Until the replica has replayed everything the primary wrote so far: up to the
+        insert position (with synchronous_commit off, a commit can still be in the WAL
+        buffers, past pg_current_wal_lsn(), when its statement returns)."""
+        [(lsn,)] = self.rows("SELECT pg_current_wal_insert_lsn()::text")
 
         def replayed() -> bool:
             [(done,)] = self.rows(
