@@ -20,6 +20,7 @@ from pyspark.sql import functions as F
 
 from analytics.config import Thresholds
 from analytics.schema import COUNT_COLUMNS, UNIFIEDPUSH, UNIFIEDPUSH_OUTCOMES
+from analytics.sources import KEY_COLUMNS
 
 PERCENTILES = (0.5, 0.95, 0.99)
 
@@ -41,16 +42,7 @@ def _ratio(numerator: str, denominator: str) -> F.Column:
 
 # The key the sums are merged by once, before any report: every report's key is a part of
 # it, so the reports read this small table instead of the rows.
-FINE_KEY = (
-    "day",
-    "tenant_id",
-    "app_id",
-    "component_id",
-    "provider",
-    "publishing_domain",
-    "outcome",
-    "error_code",
-)
+FINE_KEY = ("day", *KEY_COLUMNS)
 
 
 def summed(sums: DataFrame) -> DataFrame:
