@@ -567,7 +567,11 @@ class Supervisor:
 
     def run(self) -> int:
         watched = {*_STOP_SIGNALS, signal.SIGCHLD}
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # delivered to sigwaitinfo below
+        # Blocked and taken by sigtimedwait below. Handlers too (never run while blocked), so
+        # the process says it handles them (/proc's SigCgt; the kernel unblocks the waited-for
+        # signals during the wait, so SigBlk does not show them then).
+        for number in watched:
+            signal.signal(number, lambda *_: None)
         signal.pthread_sigmask(signal.SIG_BLOCK, watched)
         for _ in range(self.count):
             self._spawn()
@@ -584,7 +588,8 @@ class Supervisor:
         if pid == 0:  # the worker
             code = 1
             try:
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for number in (*_STOP_SIGNALS, signal.SIGCHLD):
+                    signal.signal(number, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 code = _worker(self.sockets)
             except BaseException:

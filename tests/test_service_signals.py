@@ -62,3 +62,16 @@ def test_a_service_that_runs_still_stops_through_its_own_handling(transactional_
     assert code == 0, process.log_tail()
     assert '"gateway.stopped"' in process.log_text()
     assert "Traceback" not in process.log_text()
+
+
+def test_the_running_web_process_says_it_handles_sigterm():
+    """Its supervisor takes SIGTERM with sigtimedwait; it must also show the signal as handled
+    (/proc's SigCgt), which is what a stop that waits for it to be ready reads: otherwise every
+    stop of a running web process waited out its whole deadline."""
+    from tests.support.processes import start_web
+
+    web, _ = start_web()
+    try:
+        assert web.handles(signal.SIGTERM), web.log_tail()
+    finally:
+        assert web.stop() == 0, web.log_tail()
