@@ -11,17 +11,18 @@ Runs on the PostgreSQL/RabbitMQ suite only: the embedded broker keeps Celery's p
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import amqp
 import pytest
-from celery import Celery
-from celery.contrib.testing.worker import start_worker
 
 from pushsite.celery import app as celery_app
 from relay import broker, conf
@@ -29,7 +30,7 @@ from relay.amqp_publisher import ConfirmedPublisher, PublishFailed, nodes_of
 from relay.environment import Environment
 from relay.services import queue
 from tests.support.broker import purge
-from tests.support.processes import wait_until
+from tests.support.processes import ServiceProcess, wait_until
 from tests.support.rabbitmq import PrivateRabbit
 
 pytestmark = pytest.mark.skipif(
@@ -118,40 +119,54 @@ def test_the_gateway_publishes_through_it_on_rabbitmq():
 
 
 @pytest.fixture
-def stock_worker() -> Iterator[tuple[str, list[Any]]]:
-    """A Celery app that knows nothing of the relay but a queue declared as the relay's, and a
-    task of the relay's name; run by Celery's own test worker."""
+def stock_worker(tmp_path: Path) -> Iterator[tuple[str, Path, ServiceProcess]]:
+    """A stock Celery worker in a process of its own (tests/support/stock_celery.py): an app
+    that knows nothing of the relay but a queue declared as the relay's and a task of the
+    relay's name."""
     name = f"relay.stock-{uuid.uuid4().hex[:8]}"
-    env = Environment(celery_queue=name)
-    stock = Celery("stock", broker=str(celery_app.conf.broker_url), set_as_current=False)
-    stock.conf.update(
-        task_queues=[broker.send_queue(env)],
-        task_default_queue=name,
-        broker_transport_options={"confirm_publish": True},
-        worker_hijack_root_logger=False,
+    declared = broker.send_queue(Environment(celery_queue=name))
+    received = tmp_path / "received.jsonl"
+    env = dict(os.environ)
+    env.update(
+        STOCK_BROKER_URL=str(celery_app.conf.broker_url),
+        STOCK_QUEUE=name,
+        STOCK_QUEUE_ARGUMENTS=json.dumps(declared.queue_arguments),
+        STOCK_EXCHANGE_TYPE=declared.exchange.type,
+        STOCK_TASK=queue.SEND_PUSH,
+        STOCK_RECEIVED=str(received),
+        PYTHONUNBUFFERED="1",
     )
-    received: list[Any] = []
+    argv = [
+        sys.executable, "-m", "celery", "-A", "tests.support.stock_celery", "worker",
+        "--hostname", f"{name}@%h", "--pool", "solo", "--loglevel", "INFO",
+        "--without-heartbeat", "--without-gossip", "--without-mingle",
+    ]  # fmt: skip
+    worker = ServiceProcess("stock-worker", argv, env)
+    try:
+        yield name, received, worker
+    finally:
+        worker.stop()
 
-    @stock.task(name=queue.SEND_PUSH)
-    def send_push(message: dict[str, Any]) -> None:
-        received.append(message)
 
-    with start_worker(stock, pool="solo", perform_ping_check=False, shutdown_timeout=30):
-        yield name, received
+def lines_of(path: Path) -> list[Any]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-# The relay's worker signals (Celery's Django fixup) are connected for any worker in this
-# process, and close database connections around each task.
-@pytest.mark.django_db
 def test_a_stock_celery_worker_runs_what_it_writes(stock_worker):
-    name, received = stock_worker
+    name, received, worker = stock_worker
     direct = publisher(name=name)
     jobs = [{"push_id": str(uuid.uuid4()), "registration_id": n} for n in range(5)]
     for job in jobs:
         direct.publish(queue.SEND_PUSH, [job])
     direct.close()
-    wait_until(lambda: len(received) == len(jobs), timeout=30)
-    assert received == jobs
+
+    def all_run() -> bool:
+        if not worker.alive():
+            raise RuntimeError(f"the stock worker died:\n{worker.log_tail()}")
+        return len(lines_of(received)) >= len(jobs)
+
+    wait_until(all_run, what=lambda: f"{len(lines_of(received))} of 5 run\n{worker.log_tail()}")
+    assert lines_of(received) == jobs
 
 
 # --- the broker does not confirm: PublishFailed within the confirm timeout
