@@ -5,7 +5,7 @@ publish to the FCM request.
 
 Run with `make bench` (PostgreSQL, RabbitMQ and Redis on loopback). Options: --pushes,
 --window, --workers, --concurrency. It also reports CPU per push and the busy fraction of each
-process (gateway, workers, fake FCM, this client, PostgreSQL's server processes and the
+process (gateway, workers, beat, fake FCM, this client, PostgreSQL's server processes and the
 broker, RabbitMQ's Erlang VM beam.smp) over
 the measured run, to show which one holds throughput back. RELAY_BENCH_DB names the database
 it re-creates (default relay_bench), BENCH_FAKE_PORT the fake FCM's port. `--profile
@@ -43,7 +43,7 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from bench.component_server import PUBLISH, ComponentServer  # noqa: E402
-from tests.support.processes import child_pids  # noqa: E402
+from tests.support.processes import beat_argv, child_pids  # noqa: E402
 
 BENCH_DB = os.environ.get("RELAY_BENCH_DB", "relay_bench")
 
@@ -122,7 +122,9 @@ class Accounting:
         machine_after = machine_busy()
         elapsed = time.perf_counter() - self.started
         used = {name: after[name] - self.before[name] for name in after}
-        relay = sum(v for k, v in used.items() if k == "gateway" or k.startswith("worker_"))
+        relay = sum(
+            v for k, v in used.items() if k in ("gateway", "beat") or k.startswith("worker_")
+        )
         busy = machine_after[0] - self.machine_before[0]
         ours = sum(used.values())
         return {
@@ -277,6 +279,10 @@ def main() -> None:
                 subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
             )
             processes.extend(start_workers(args.workers, args.concurrency, env))
+            # As in production: a send deferred (a retry, or beyond its app's share of the
+            # worker's threads) waits in the database until beat's sweep queues it.
+            beat = beat_argv(str(workdir / "beat-schedule"), loglevel="WARNING")
+            processes.append(subprocess.Popen(beat, cwd=ROOT, env=env))
             await server.wait_connected(timeout=120)  # a loaded machine starts slowly
             # Warm up: a few pushes so connections, OAuth token and caches exist.
             warm = registrations[:20]
@@ -286,8 +292,8 @@ def main() -> None:
             await asyncio.to_thread(wait_fake_count, fake_url, len(warm), 60)
             server.sent_at.clear()
             server.answered_at.clear()
-            pids = {"fake_fcm": fake.pid, "gateway": processes[1].pid}
-            for number, worker in enumerate(processes[2:]):
+            pids = {"fake_fcm": fake.pid, "gateway": processes[1].pid, "beat": processes[-1].pid}
+            for number, worker in enumerate(processes[2:-1]):
                 pids[f"worker_{number}"] = worker.pid
             accounting = Accounting(pids, server_pids(database_url, broker_url))
             profiler = Profiler(args.profile, {k: v for k, v in pids.items() if k != "fake_fcm"})
