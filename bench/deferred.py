@@ -17,7 +17,7 @@ latency measured from the publish to the fake FCM's arrival:
 3. drain: the backlog tenant's provider is back; the sweeps queue the 20,000 at a bounded
    rate while the fresh tenant publishes. Reported: how long until every backlog push is
    delivered, duplicates (sent more than once with one push id), and the CPU per push of the
-   workers, beat, PostgreSQL and the broker (Redis) over the phase.
+   workers, beat, PostgreSQL and the broker (RabbitMQ's Erlang VM) over the phase.
 
 Prints and writes bench/results/deferred.json, with the load average (`uptime`) before and
 after. Run: `python -m tests.support.services -- .venv/bin/python bench/deferred.py`
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import percentiles, prepare_database, wait_http, write_results  # noqa: E402
-from bench.relay import cpu_seconds  # noqa: E402
+from bench.relay import cpu_seconds, server_pids  # noqa: E402
 from tests.support.processes import beat_argv, child_pids, worker_argv  # noqa: E402
 
 BENCH_DB = os.environ.get("RELAY_BENCH_DB", "relay_bench_deferred")
@@ -83,28 +83,6 @@ class Fcm:
 
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def server_pids(database_url: str, broker_url: str) -> dict[str, int]:
-    """The postmaster's pid (its data directory) and, on Redis, the broker's (INFO)."""
-    import psycopg
-
-    found: dict[str, int] = {}
-    with psycopg.connect(database_url.replace("postgres://", "postgresql://")) as conn:
-        row = conn.execute("SHOW data_directory").fetchone()
-    if row is not None:
-        found["postgres"] = int((Path(row[0]) / "postmaster.pid").read_text().split()[0])
-    if broker_url.startswith(("redis://", "rediss://")):
-        import redis
-
-        found["broker"] = int(redis.Redis.from_url(broker_url).info("server")["process_id"])
-    elif broker_url.startswith(("amqp://", "pyamqp://")):
-        from urllib.parse import urlsplit
-
-        from bench.relay import listening_pid
-
-        found["broker"] = listening_pid(urlsplit(broker_url.split(";")[0]).port or 5672)
-    return found
 
 
 def cpu(pids: dict[str, int], servers: dict[str, int]) -> dict[str, float]:
