@@ -591,6 +591,25 @@ def test_device_limit_is_shared_across_processes(kind, settings, tmp_path):
     uwpx.check_device_rate(device_id=OTHER_DEVICE, action="x")
 
 
+def test_the_redis_counters_are_the_ones_djangos_cache_reads(settings, tmp_path):
+    """The script counts through a redis-py client of ours (Django keeps its own private):
+    in the keys, and as the values, that Django's cache API reads and writes."""
+    from django.core.cache import caches
+
+    from relay.windows.services import limits
+
+    if not settings.RELAY["STATE_URL"].startswith("redis"):
+        pytest.fail("needs RELAY_STATE_URL=redis://… (make test sets it)")
+    setting, _ = _cache_setting("redis", tmp_path)
+    settings.CACHES = {"default": setting}
+    key = f"counter-{uuid.uuid4().hex}"
+    assert limits._count([(key, 60)]) == [1]
+    assert limits._count([(key, 60), (key + "-b", 60)]) == [2, 1]
+    assert caches["default"].get(key) == 2
+    caches["default"].incr(key)
+    assert limits._count([(key, 60)]) == [4]
+
+
 @pytest.mark.defaults
 def test_an_unreachable_cache_does_not_stop_registration(client, app, settings):
     settings.CACHES = {

@@ -3,6 +3,7 @@ web process and the TLS listener count in the same place."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -10,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.core.cache import caches
 from django.core.cache.backends.redis import RedisCache
@@ -38,17 +40,24 @@ return counts
 """
 
 
-def _redis_counter(backend: RedisCache) -> Any:
-    """The counting script on one client per cache backend object (Django's cache builds a
-    client per call, and add then incr would be two clients and two round trips).
+@functools.lru_cache(maxsize=8)
+def _redis_counter(location: str, options: tuple[tuple[str, Any], ...]) -> Any:
+    """The counting script on a redis-py client of our own, on the server the default cache
+    writes to (the first of its LOCATION, as Django's RedisCache writes) with its OPTIONS:
+    Django's backend keeps its client private. One client (a connection pool, safe across
+    threads and forks) per location, so a settings change gets a new one."""
+    client = redis.Redis.from_url(location, **dict(options))
+    return client.register_script(_COUNT_SCRIPT)
 
-    Backends are per thread (django.core.cache.caches), and so is what is kept on them; a
-    settings change makes new backends, and so new clients."""
-    script = getattr(backend, "_uwpx_counter", None)
-    if script is None:
-        script = backend._cache.get_client(write=True).register_script(_COUNT_SCRIPT)
-        backend._uwpx_counter = script  # type: ignore[attr-defined]
-    return script
+
+# Options Django's RedisCache takes for itself; the rest are redis-py's connection options.
+_DJANGO_ONLY_OPTIONS = ("pool_class", "parser_class", "serializer")
+
+
+def _writer_location(backend_settings: dict[str, Any]) -> str:
+    location = backend_settings["LOCATION"]
+    servers = location.split(",") if isinstance(location, str) else list(location)
+    return str(servers[0])
 
 
 def _count(keys: Sequence[tuple[str, int]]) -> list[int]:
@@ -60,7 +69,13 @@ def _count(keys: Sequence[tuple[str, int]]) -> list[int]:
     """
     backend = caches["default"]
     if isinstance(backend, RedisCache):
-        script = _redis_counter(backend)
+        backend_settings = settings.CACHES["default"]
+        options = {
+            name: value
+            for name, value in backend_settings.get("OPTIONS", {}).items()
+            if name not in _DJANGO_ONLY_OPTIONS
+        }
+        script = _redis_counter(_writer_location(backend_settings), tuple(sorted(options.items())))
         counts = script(
             keys=[backend.make_and_validate_key(key) for key, _ in keys],
             args=[timeout for _, timeout in keys],
