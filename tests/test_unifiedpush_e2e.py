@@ -367,5 +367,9 @@ def test_the_matrix_gateway_relays_and_rejects(lab):
     relayed = json.loads(pushes[1].body)
     assert relayed["notification"]["event_id"] == "$ev:matrix.example"
     assert relayed["notification"]["devices"] == [devices[0]]
+    # Counted like a POST: its delivery record is what the reports' UnifiedPush source reads.
+    wait_until(lambda: lab.delivered() == 1)
+    record = UnifiedPushDelivery.objects.get(outcome="delivered")
+    assert record.size == len(pushes[1].body) and record.component_id == lab.component.id
     discovery = json.loads(urllib.request.urlopen(lab.web_url + "/_matrix/push/v1/notify").read())
     assert discovery == {"unifiedpush": {"gateway": "matrix"}}
