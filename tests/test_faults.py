@@ -498,9 +498,10 @@ def check(
 # --- the faults
 
 
-@pytest.mark.parametrize("server", ["PostgreSQL", "RabbitMQ"])
+@pytest.mark.parametrize("server", ["PostgreSQL", "RabbitMQ", "Redis"])
 def test_a_server_restart_loses_no_push(lab: Lab, server: str) -> None:
-    """The database or the broker restarted (down for 3 s) while the workers are busy."""
+    """The database, the broker or Redis (state only: throttling, caches; it keeps nothing on
+    disk here, so it comes back empty) restarted (down for 3 s) while the workers are busy."""
     more = 40  # published at once when the server is back (RabbitMQ takes a while to start)
     tenant = lab.add_tenant(server.lower(), PUBLISHES + BURST + more)
     if server == "PostgreSQL":
@@ -517,6 +518,11 @@ def test_a_server_restart_loses_no_push(lab: Lab, server: str) -> None:
             time.sleep(3.0)
             lab.postgres.start()
             offsets.extend(worker.log_path.stat().st_size for worker in lab.workers)
+        elif server == "Redis":
+            offsets.extend(worker.log_path.stat().st_size for worker in lab.workers)
+            lab.redis.stop()
+            time.sleep(3.0)
+            lab.redis.start()
         else:
             assert lab.rabbit is not None
             offsets.extend(worker.log_path.stat().st_size for worker in lab.workers)
@@ -535,7 +541,7 @@ def test_a_server_restart_loses_no_push(lab: Lab, server: str) -> None:
     # all that is left).
     for worker, offset in zip(lab.workers, offsets, strict=True):
         assert worker.alive(), worker.log_text()[-3000:]
-        if server == "PostgreSQL":
+        if server in ("PostgreSQL", "Redis"):
             assert worker_delivered_after(worker, offset) > 0, f"{worker.name} never recovered"
         else:
             assert worker_logged_after(worker, offset, "Connected to amqp"), worker.name
