@@ -635,8 +635,9 @@ class Environment(BaseSettings):
     deferred_queue_limit: int = var(
         "RELAY_DEFERRED_QUEUE_LIMIT",
         20,
-        "A sweep publishes nothing while more messages than this wait in the broker's send "
-        "queue: fresh pushes go first, the deferred ones follow once the workers catch up "
+        "While more messages than this wait in the broker's send queue, a sweep publishes "
+        "only a few sends overdue by more than 30 s: fresh pushes go first, the deferred ones "
+        "follow once the workers catch up, and a queue that stays busy never starves them "
         "(0: no limit).",
         group=Group.WORKERS,
     )

@@ -318,6 +318,24 @@ def test_a_sweep_waits_while_fresh_pushes_fill_the_queue(component, fcm_app):
     assert [item["push_id"] for item in message.jobs] == [job.push_id]
 
 
+def test_a_queue_that_stays_busy_delays_deferred_sends_but_never_starves_them(component, fcm_app):
+    """One tenant keeping every worker thread taken keeps the queue busy: the deferred sends
+    wait, but those overdue longest still go, a few per sweep, before their age limit."""
+    registrations = [make_registration(component.app, 20 + n) for n in range(5)]
+    jobs = [defer(registration) for registration in registrations]
+    with relay_settings(DEFERRED_QUEUE_LIMIT=2, DEFERRED_SWEEP_BATCH=40):
+        for _ in range(3):
+            queue.enqueue_send(job_for(registrations[0]))  # the queue stays busy
+        assert deferred.sweep().published == 0  # just due: fresh pushes go first
+        later = timezone.now() + timedelta(seconds=deferred.STARVED_AFTER_SECONDS + 1)
+        assert deferred.sweep(now=later).published == 40 // deferred.HELD_SHARE
+        assert deferred.sweep(now=later).published == 2
+        assert deferred.sweep(now=later).published == 1
+        assert deferred_jobs() == []
+    published = [job["push_id"] for message in take_messages() for job in message.jobs]
+    assert {job.push_id for job in jobs} <= set(published)
+
+
 def test_a_send_deferred_again_moves_its_row(component, fcm_app):
     """A redelivered batch defers the same push id again: one row, the new due time."""
     registration = make_registration(component.app, 6)

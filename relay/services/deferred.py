@@ -18,10 +18,11 @@ On PostgreSQL the rows are taken FOR UPDATE SKIP LOCKED, so sweeps running side 
 
 Fairness: fresh pushes never pass through the table. A sweep publishes at most
 RELAY_DEFERRED_SWEEP_BATCH rows, shared out evenly between the tenants that have due rows, and
-none while more than RELAY_DEFERRED_QUEUE_LIMIT messages wait in the send queue: 20,000
-deferred pushes of one tenant go out at a bounded rate, only as fast as the workers take
-them, so other tenants' fresh pushes never queue behind them (the queue is first in, first
-out), and one tenant's backlog cannot starve another's retries.
+none while more than RELAY_DEFERRED_QUEUE_LIMIT messages wait in the send queue (but for a
+few rows overdue by more than STARVED_AFTER_SECONDS, so that a queue that stays busy never
+starves them): 20,000 deferred pushes of one tenant go out at a bounded rate, only as fast as
+the workers take them, so other tenants' fresh pushes never queue behind them (the queue is
+first in, first out), and one tenant's backlog cannot starve another's retries.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 # prefetches messages and runs them in order; a fresh push taken after a few of the backlog's
 # messages must not wait for hundreds of its sends.
 MESSAGE_JOBS = 10
+# While the queue is busy a sweep still publishes the rows overdue longer than this, at most
+# 1/HELD_SHARE of its batch: a queue that stays busy (one tenant keeping every worker thread
+# taken) delays the deferred sends, it never holds them until their age limit ends them.
+STARVED_AFTER_SECONDS = 30.0
+HELD_SHARE = 20
 
 
 def row(
@@ -134,14 +140,16 @@ def _take(limit: int, now: datetime) -> list[DeferredSend]:
 def sweep(*, limit: int | None = None, now: datetime | None = None) -> Sweep:
     """Publish the due deferred sends (at most `limit`, default RELAY_DEFERRED_SWEEP_BATCH)
     and delete them, in one transaction; raises queue.QueueUnavailable (every row stays) when
-    the broker does not take them. Publishes nothing while the send queue is longer than
-    RELAY_DEFERRED_QUEUE_LIMIT messages."""
+    the broker does not take them. While the send queue is longer than
+    RELAY_DEFERRED_QUEUE_LIMIT messages, only a few rows overdue for STARVED_AFTER_SECONDS."""
     limit = conf.current().deferred_sweep_batch if limit is None else limit
     now = now or timezone.now()
+    due_by = now
     if _queue_busy():
-        return Sweep(0, 0, 0)
+        limit = max(1, limit // HELD_SHARE)
+        due_by = now - timedelta(seconds=STARVED_AFTER_SECONDS)
     with transaction.atomic():
-        rows = _take(limit, now)
+        rows = _take(limit, due_by)
         if not rows:
             return Sweep(0, 0, 0)
         per_app: dict[int, list[queue.SendJob]] = {}
