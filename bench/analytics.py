@@ -16,7 +16,9 @@ Plus the cost of the publish tallies on the gateway's hot path: one upsert per b
     python -m tests.support.services -- .venv/bin/python bench/analytics.py
     BENCH_SIZES=1000000 ...   (fewer sizes; 0: the small month only)
     BENCH_MASTER=standalone   (a Spark standalone master and worker on this machine, from
-                               tests/support/spark_cluster.py; default local[2])
+                               tests/support/spark_cluster.py; default local[2]; the
+                               worker's BENCH_WORKER_CORES, default 2, and
+                               BENCH_WORKER_MEMORY, default 2g)
 
 Each run's progress lines (what was done and how long it took) are kept in the results: the
 profile of where a run's time goes.
@@ -344,7 +346,10 @@ def main() -> None:
     if MASTER == "standalone":
         from tests.support.spark_cluster import SparkStandalone
 
-        cluster = SparkStandalone().start()
+        cluster = SparkStandalone(
+            cores=int(os.environ.get("BENCH_WORKER_CORES", "2")),
+            memory=os.environ.get("BENCH_WORKER_MEMORY", "2g"),
+        ).start()
         MASTER = cluster.master_url
     started = time.monotonic()
     spark = jobs.session(config(admin_url, workdir, FIRST, FIRST, MASTER))

@@ -33,7 +33,9 @@ def spark_env(workdir: Path) -> dict[str, str]:
 
 
 class SparkStandalone:
-    def __init__(self) -> None:
+    def __init__(self, *, cores: int = 1, memory: str = "1g") -> None:
+        self.cores = cores
+        self.memory = memory
         self.workdir = Path(tempfile.mkdtemp(prefix="relay-spark-"))
         self.port, self.ui_port, self.worker_ui_port = free_port(), free_port(), free_port()
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -69,9 +71,9 @@ class SparkStandalone:
             "org.apache.spark.deploy.worker.Worker",
             self.master_url,
             "--cores",
-            "1",
+            str(self.cores),
             "--memory",
-            "1g",
+            self.memory,
             "--webui-port",
             str(self.worker_ui_port),
         )
