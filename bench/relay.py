@@ -278,11 +278,12 @@ def main() -> None:
             processes.append(
                 subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
             )
-            processes.extend(start_workers(args.workers, args.concurrency, env))
+            workers = start_workers(args.workers, args.concurrency, env)
             # As in production: a send deferred (a retry, or beyond its app's share of the
             # worker's threads) waits in the database until beat's sweep queues it.
-            beat = beat_argv(str(workdir / "beat-schedule"), loglevel="WARNING")
-            processes.append(subprocess.Popen(beat, cwd=ROOT, env=env))
+            schedule = str(workdir / "beat-schedule")
+            beat = subprocess.Popen(beat_argv(schedule, loglevel="WARNING"), cwd=ROOT, env=env)
+            processes.extend([*workers, beat])
             await server.wait_connected(timeout=120)  # a loaded machine starts slowly
             # Warm up: a few pushes so connections, OAuth token and caches exist.
             warm = registrations[:20]
@@ -292,8 +293,8 @@ def main() -> None:
             await asyncio.to_thread(wait_fake_count, fake_url, len(warm), 60)
             server.sent_at.clear()
             server.answered_at.clear()
-            pids = {"fake_fcm": fake.pid, "gateway": processes[1].pid, "beat": processes[-1].pid}
-            for number, worker in enumerate(processes[2:-1]):
+            pids = {"fake_fcm": fake.pid, "gateway": processes[1].pid, "beat": beat.pid}
+            for number, worker in enumerate(workers):
                 pids[f"worker_{number}"] = worker.pid
             accounting = Accounting(pids, server_pids(database_url, broker_url))
             profiler = Profiler(args.profile, {k: v for k, v in pids.items() if k != "fake_fcm"})
