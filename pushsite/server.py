@@ -68,6 +68,8 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE = re.compile(r"[ \t\x21-\x7e]*")
 _TEXT = ("Content-Type", "text/plain")
+# An absolute-form request target (RFC 9112 3.2.2): scheme and authority, then the rest.
+_ABSOLUTE = re.compile(r"[hH][tT][tT][pP][sS]?://([^/?#]*)")
 # aiohttp writes a Server header unless one is set: this one names no version.
 _SERVER = ("Server", "push-relay")
 
@@ -134,6 +136,20 @@ class Resource(Protocol):
 def _sendable(headers: Iterable[tuple[str, str]]) -> bool:
     return all(_HEADER_NAME.fullmatch(name) and _HEADER_VALUE.fullmatch(value)
                for name, value in headers)  # fmt: skip
+
+
+def origin_form(target: str) -> tuple[str, str | None]:
+    """(the target in origin form, the authority of an absolute-form one): a server MUST
+    accept the absolute form (RFC 9112 3.2.2) and route it as the origin form, with the
+    authority as the host."""
+    if target[:1] == "/":
+        return target, None
+    absolute = _ABSOLUTE.match(target)
+    if absolute is None:  # "*" (OPTIONS) or a malformed target: routed as it came
+        return target, None
+    rest = target[absolute.end() :]
+    authority = absolute.group(1).rpartition("@")[2]  # without userinfo
+    return (rest if rest[:1] == "/" else "/" + rest), authority
 
 
 # What a connection is doing, and so which deadline the sweep holds it to.
@@ -290,7 +306,7 @@ class Site:
     ) -> tuple[Answer, bool]:
         """(the answer, whether to close the connection after it)."""
         method = request.method
-        target = request.raw_path
+        target, authority = origin_form(request.raw_path)
         path = unquote(target.partition("?")[0])
         route = self.resource
         if route is not None and not self.resource_paths.fullmatch(path):
@@ -314,11 +330,12 @@ class Site:
             method=method,
             target=target,
             version=f"HTTP/{version.major}.{version.minor}",
-            headers=request.headers.items(),
+            headers=request.raw_headers,
             body=body,
             remote=request.remote or "",
             server=self._server_address(request),
             multiprocess=self.multiprocess,
+            authority=authority,
         )
         status, _, headers, content = await self.in_thread(
             lambda: wsgi_bridge.run(self.django, environ)
@@ -401,7 +418,8 @@ class Site:
         method = request.method
         target = request.raw_path
         elapsed = time.perf_counter() - started
-        metrics.count_request(unquote(target.partition("?")[0]), method, response.status, elapsed)
+        path = unquote(origin_form(target)[0].partition("?")[0])
+        metrics.count_request(path, method, response.status, elapsed)
         if access_log.isEnabledFor(logging.INFO):
             version = request.version
             access_log.info(

@@ -28,22 +28,28 @@ def environ(
     method: str,
     target: str,
     version: str,
-    headers: Iterable[tuple[str, str]],
+    headers: Iterable[tuple[bytes, bytes]],
     body: bytes,
     remote: str,
     server: tuple[str, int],
     multiprocess: bool,
+    authority: str | None = None,
 ) -> dict[str, Any]:
-    """The WSGI environ of one request (PEP 3333). `target` is the request target as it came
-    (percent-encoded); PATH_INFO is its path decoded to bytes and carried as latin-1, as the
-    PEP asks. Header fields whose names hold an underscore are dropped (as gunicorn and
-    Django's runserver do): `X_Forwarded_Proto` must not pass for `X-Forwarded-Proto`."""
-    path, _, query = target.partition("?")
+    """The WSGI environ of one request (PEP 3333). `target` is the request target in origin
+    form, percent-encoded as it came; PATH_INFO is its path decoded to bytes and carried as
+    latin-1, as the PEP asks. `headers` are the fields as they came (bytes), carried as
+    latin-1 strings too, so any byte a client sends reaches Django as the same byte (a
+    UTF-8 cookie is no error). Header fields whose names hold an underscore are dropped (as
+    gunicorn and Django's runserver do): `X_Forwarded_Proto` must not pass for
+    `X-Forwarded-Proto`. `authority`: the host of an absolute-form target, which replaces
+    the Host field (RFC 9112 3.2.2)."""
+    # aiohttp decodes the target as UTF-8 with surrogateescape: these are its bytes again.
+    path, _, query = target.encode("utf-8", "surrogateescape").partition(b"?")
     environ: dict[str, Any] = {
         "REQUEST_METHOD": method,
         "SCRIPT_NAME": "",
         "PATH_INFO": unquote_to_bytes(path).decode("latin-1"),
-        "QUERY_STRING": query,
+        "QUERY_STRING": query.decode("latin-1"),
         "REMOTE_ADDR": remote,
         "SERVER_NAME": server[0],
         "SERVER_PORT": str(server[1]),
@@ -56,9 +62,10 @@ def environ(
         "wsgi.multiprocess": multiprocess,
         "wsgi.run_once": False,
     }
-    for name, value in headers:
-        if "_" in name:
+    for raw_name, raw_value in headers:
+        if b"_" in raw_name:
             continue
+        name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
         key = name.upper().replace("-", "_")
         if key == "CONTENT_TYPE" or key == "CONTENT_LENGTH":
             environ[key] = value
@@ -68,6 +75,8 @@ def environ(
             environ[key] += "," + value
         else:
             environ[key] = value
+    if authority is not None:
+        environ["HTTP_HOST"] = authority
     if "CONTENT_LENGTH" not in environ and body:  # a chunked body, read whole
         environ["CONTENT_LENGTH"] = str(len(body))
     return environ

@@ -321,6 +321,65 @@ def test_a_component_saved_before_urls_were_checked_gets_answers_on_every_path(w
     assert "Traceback" not in web.log_text(), web.log_text()[-3000:]
 
 
+def test_absolute_form_targets_are_routed_as_the_origin_form(web_endpoint):
+    """RFC 9112 3.2.2: a server MUST accept `GET http://host/path`; the authority is the
+    host (the Host field ignored). The UnifiedPush resource stores the push, Django answers."""
+    web, port, _, token = web_endpoint
+    with connect(port) as sock:
+        [health] = exchange(sock, request("GET", "http://localhost/healthz", "Host: elsewhere"))
+        assert health.status == 200 and health.body == b'{"status": "ok"}'
+        [pushed] = exchange(
+            sock,
+            post(token, b"absolute").replace(
+                f"/push/{token}".encode(), f"HTTP://localhost:{port}/push/{token}".encode(), 1
+            ),
+        )
+        assert pushed.status == 201, pushed.body
+        [query] = exchange(sock, request("GET", "http://localhost?x=1"))  # an empty path: "/"
+        assert query.status == 404
+    assert UnifiedPushMessage.objects.count() == 1
+    assert token not in web.log_text()
+
+
+def test_any_header_byte_reaches_django_and_deep_json_is_a_bad_request(web_endpoint):
+    """Header values reach Django as latin-1 strings of the bytes that came (PEP 3333): a
+    UTF-8 cookie is a cookie like any other, not a 500. JSON nested deeper than the stack
+    posted to the Matrix gateway is a 400, and nothing is stored."""
+    web, port, _, token = web_endpoint
+    with connect(port) as sock:
+        for path in ("/healthz", "/admin/login/"):
+            [answer] = exchange(sock, request("GET", path, "Cookie: a=\u20ac; b=caf\u00e9"))
+            assert answer.status == 200, (path, answer.body[:300])
+        raw_field = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Raw: \xff\xfe\r\n\r\n"
+        [raw] = exchange(sock, raw_field)
+        assert raw.status == 200
+    pushkey = f"http://localhost:{port}/push/{token}"
+    deep = [b"[" * 60000]  # within the gateway's 64 KiB
+    for depth in (900, 980, 990, 995, 998, 1000, 1100):  # around the interpreter's limit
+        nested = b"[" * depth + b"]" * depth
+        deep.append(
+            b'{"notification": {"devices": [{"pushkey": "%s"}], "x": %s}}'
+            % (pushkey.encode(), nested)
+        )
+    relayed = 0
+    with connect(port) as sock:
+        for body in deep:
+            [answer] = exchange(
+                sock,
+                request(
+                    "POST", "/_matrix/push/v1/notify", "Content-Type: application/json", body=body
+                ),
+            )
+            assert answer.status in (200, 400), (answer.status, len(body), answer.body)
+            if answer.status == 400:
+                assert b"M_BAD_JSON" in answer.body or b"M_NOT_JSON" in answer.body
+            relayed += answer.status == 200
+        assert answer.status == 400  # 1,100 deep
+    assert UnifiedPushMessage.objects.count() == relayed  # a refused one stored nothing
+    log = web.log_text()
+    assert "Traceback" not in log and '"level": "ERROR"' not in log, log[-3000:]
+
+
 # --------------------------------------------------------------------------- in this process
 class _Resource:
     """A stand-in for the UnifiedPush resource that fails the way a bug would, or waits."""

@@ -22,13 +22,14 @@ def _environ(**overrides: Any) -> dict[str, Any]:
         "target": "/admin/caf%C3%A9/x%2Fy?q=1&r=%20",
         "version": "HTTP/1.1",
         "headers": [
-            ("Host", "push.example:8000"),
-            ("Content-Type", "application/json"),
-            ("Content-Length", "7"),
-            ("X-Forwarded-Proto", "https"),
-            ("X_Forwarded_Proto", "http"),  # an underscore: dropped
-            ("Accept", "text/html"),
-            ("accept", "application/json"),
+            (b"Host", b"push.example:8000"),
+            (b"Content-Type", b"application/json"),
+            (b"Content-Length", b"7"),
+            (b"X-Forwarded-Proto", b"https"),
+            (b"X_Forwarded_Proto", b"http"),  # an underscore: dropped
+            (b"Accept", b"text/html"),
+            (b"accept", b"application/json"),
+            (b"Cookie", "a=\u20ac".encode()),  # UTF-8 bytes, as a browser sends them
         ],
         "body": b'{"a":1}',
         "remote": "192.0.2.7",
@@ -62,6 +63,22 @@ def test_the_environ_is_pep_3333s():
     assert (seen["SERVER_NAME"], seen["SERVER_PORT"]) == ("127.0.0.1", "8000")
     assert seen["REMOTE_ADDR"] == "192.0.2.7" and seen["SERVER_PROTOCOL"] == "HTTP/1.1"
     assert "HTTP_CONTENT_TYPE" not in seen and "HTTP_CONTENT_LENGTH" not in seen
+    # Header values are latin-1 strings of the bytes that came (PEP 3333).
+    assert seen["HTTP_COOKIE"] == "a=\u20ac".encode().decode("latin-1")
+
+
+def test_an_absolute_form_targets_authority_is_the_host():
+    seen: dict[str, Any] = {}
+
+    def application(environ, start_response):
+        seen.update(environ)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b""]
+
+    environ = _environ(target="/x?\udcff=1", authority="push.example")
+    wsgi_bridge.run(validator(application), environ)
+    assert seen["HTTP_HOST"] == "push.example"
+    assert seen["QUERY_STRING"] == "\xff=1"  # the byte that came, carried as latin-1
 
 
 def test_a_chunked_body_read_whole_gets_its_length():
@@ -69,7 +86,7 @@ def test_a_chunked_body_read_whole_gets_its_length():
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [environ["CONTENT_LENGTH"].encode()]
 
-    headers = [("Host", "a.example"), ("Transfer-Encoding", "chunked")]
+    headers = [(b"Host", b"a.example"), (b"Transfer-Encoding", b"chunked")]
     environ = _environ(headers=headers, body=b"abc")
     assert wsgi_bridge.run(validator(application), environ)[3] == b"3"
 

@@ -218,6 +218,8 @@ def _matrix(body: bytes) -> Answer:
         document = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return _json(400, {"errcode": "M_NOT_JSON", "error": "not JSON"})
+    except RecursionError:  # nested deeper than the interpreter's stack (`[` * 100000)
+        return _json(400, {"errcode": "M_BAD_JSON", "error": "nested too deeply"})
     try:
         rejected = matrix.notify(document)
     except matrix.BadNotification as bad:

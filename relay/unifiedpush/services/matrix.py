@@ -68,16 +68,23 @@ def notify(document: Any, *, now: float | None = None) -> list[str]:
         if notification.get("prio") == "low"
         else UnifiedPushUrgency.HIGH.label
     )
-    rejected: list[str] = []
-    temporary: PushRefused | None = None
+    # Every device checked and its body built before any is relayed: a bad one refuses the
+    # request whole, never after part of it was stored.
+    bodies: list[tuple[str, bytes]] = []
     for device in devices:
         if not isinstance(device, dict) or not isinstance(device.get("pushkey"), str):
             raise BadNotification("every device needs a pushkey")
-        pushkey = device["pushkey"]
+        try:
+            bodies.append((device["pushkey"], _body(notification, device)))
+        except RecursionError:  # json's depth is within the stack, not once wrapped
+            raise BadNotification("nested too deeply") from None
+    rejected: list[str] = []
+    temporary: PushRefused | None = None
+    for pushkey, body in bodies:
         try:
             messages.accept(
                 token=_token_of(pushkey),
-                body=_body(notification, device),
+                body=body,
                 ttl=None,
                 topic=None,
                 urgency=urgency,
