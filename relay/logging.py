@@ -22,12 +22,18 @@ _NOT_FACTS = frozenset({"request"})
 MASK = "…"
 
 
+# A percent-encoded character, possibly encoded again (`%252F` is `%2F` once decoded, `/`
+# twice): clients and proxies decode a different number of times than the logs do.
+_PERCENT = "%(?:25)*"
+
+
 def _either(text: str) -> str:
-    """`text` with any of its characters possibly percent-encoded (case-insensitive)."""
-    return "".join(f"(?:{re.escape(char)}|%{ord(char):02x})" for char in text)
+    """`text` with any of its characters possibly percent-encoded, once or more
+    (case-insensitive)."""
+    return "".join(f"(?:{re.escape(char)}|{_PERCENT}{ord(char):02x})" for char in text)
 
 
-_SLASHES = r"(?:/|%2f)+"
+_SLASHES = rf"(?:/|{_PERCENT}2f)+"
 # A path under /push/ however written (repeated slashes, percent-encoding, a query): all of
 # it after /push/ (and message/) is the token or reference. The Matrix gateway's
 # /_matrix/push/v1/notify names nothing secret.
@@ -37,7 +43,8 @@ _PUSH_PATH = re.compile(
     re.IGNORECASE,
 )
 # A PASETO token anywhere (a header, a query, a message): version, purpose, payload.
-_PASETO = re.compile(r"v[1-4](?:\.|%2e)(?:local|public)(?:\.|%2e)[A-Za-z0-9_\-.%]+", re.IGNORECASE)
+_DOT = rf"(?:\.|{_PERCENT}2e)"
+_PASETO = re.compile(rf"v[1-4]{_DOT}(?:local|public){_DOT}[A-Za-z0-9_\-.%]+", re.IGNORECASE)
 
 
 def _masked_path(match: re.Match[str]) -> str:

@@ -53,6 +53,9 @@ def _leaks(text: str, *secrets: str) -> list[str]:
         (f"/push/v4%2E{TOKEN[3:]}", "/push/…"),
         (f"%2Fpush%2F{TOKEN}", "/push/…"),
         (f"/%70USH/%76%34.local.{TOKEN[9:]}", "/push/…"),
+        (f"/push%252F{TOKEN}", "/push/…"),  # encoded twice
+        (f"/%2570ush%25252f{TOKEN.replace('.', '%252E')}", "/push/…"),
+        (f"a v4%25252Elocal%2E{TOKEN[9:]} b", "a … b"),
         (f"/push/message/{REFERENCE} 204", "/push/message/… 204"),
         (f"/push//message//{REFERENCE}", "/push/message/…"),
         (f"<WSGIRequest: PUT '/push/{TOKEN}'>", "<WSGIRequest: PUT '/push/…'>"),
@@ -207,6 +210,7 @@ def _exercise(web: ServiceProcess, url: str) -> tuple[list[str], dict[str, int]]
         "query": _status(_request(port, "POST", f"/push/{token}?topic=x")),
         "percent": _status(_request(port, "POST", f"/push/v4%2Elocal.{payload}")),
         "percent get": _status(_request(port, "GET", f"/push/%76%34.local.{payload}")),
+        "percent twice": _status(_request(port, "POST", f"/push%252F{token}")),
         "trailing slash": _status(_request(port, "GET", f"/push/{token}/")),
         "in headers": _status(
             _request(
@@ -242,8 +246,8 @@ def server(request):
 # paths that are not the resource's), and from Django alone (runserver).
 WEB = {
     "post": 201, "put": 405, "delete": 405, "double slash": 404, "query": 201, "percent": 201,
-    "percent get": 200, "trailing slash": 404, "in headers": 405, "foreign host": 400,
-    "message get": 405, "message delete": 204, "old row": 201,
+    "percent get": 200, "percent twice": 404, "trailing slash": 404, "in headers": 405,
+    "foreign host": 400, "message get": 405, "message delete": 204, "old row": 201,
 }  # fmt: skip
 DJANGO_ALONE = {**dict.fromkeys(WEB, 404), "foreign host": 400}
 
@@ -268,14 +272,14 @@ def test_no_live_token_reaches_the_web_process_output(server):
         lines = [event["event"] for event in events if event["logger"] == "django.server"]
         assert any(line.startswith('"PUT /push/… HTTP/1.1" 404 ') for line in lines), lines
         assert any(line.startswith('"DELETE /push/message/… HTTP/1.1" 404') for line in lines)
-        assert len([line for line in lines if " /push/" in line]) == 13, lines
+        assert len([line for line in lines if " /push/" in line]) == 14, lines
     else:  # the web server's access log: one line per answer, whichever route made it
         lines = [event["event"] for event in events if event["logger"] == "pushsite.access"]
         assert any(line.endswith('"POST /push/… HTTP/1.1" 201 0') for line in lines), lines
         assert any('"PUT /push/… HTTP/1.1" 400' in line for line in lines), lines
         assert any('"DELETE /push/message/… HTTP/1.1" 204' in line for line in lines), lines
         assert any('"POST /push/… HTTP/1.0" 201' in line for line in lines), lines
-        assert len([line for line in lines if " /push/" in line]) == 13, lines
+        assert len([line for line in lines if " /push/" in line]) == 14, lines
 
 
 def _events_text(web: ServiceProcess) -> str:
