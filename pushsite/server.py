@@ -12,8 +12,10 @@ WEB_THREADS threads:
 Every answer, whichever route made it, passes one place (`Site.send`): the security headers
 Django's settings call for (pushsite/security.py), the access log line (masked), the request
 counted for /metrics. Why aiohttp, and what each limit does: docs/web.md. aiohttp bounds
-the head (its parser's limits) and the wait for a head (its keep-alive timeout); what it
-leaves to us is here: the request line's length, the number of header fields and the head's
+each field of a head (its parser's limits) and the wait for a head (its keep-alive timeout);
+what it leaves to us is here: the head's bytes bounded while it is read, nothing more read of
+a connection while one of its requests is answered (so what one connection holds is bounded),
+the connection cap, the request line's length, the number of header fields and the head's
 bytes answered 414 or 431 with our headers, the body's deadline, the flush deadline and its
 hard close (one sweep over the connections), and a graceful stop (answer what is held, then
 close).
@@ -33,6 +35,7 @@ import gc
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -43,6 +46,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from email.utils import formatdate
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote
@@ -86,6 +90,7 @@ class Limits:
     body_seconds: float
     flush_seconds: float
     graceful_seconds: float
+    max_connections: int = 1000
 
     @classmethod
     def from_conf(cls) -> Limits:
@@ -101,6 +106,7 @@ class Limits:
             body_seconds=current.web_body_seconds,
             flush_seconds=current.web_flush_seconds,
             graceful_seconds=current.web_graceful_seconds,
+            max_connections=connection_cap(current.web_max_connections),
         )
 
     def parser_options(self) -> dict[str, Any]:
@@ -108,7 +114,7 @@ class Limits:
         longer than the whole head may be, or twice the fields allowed. Within them the head
         is parsed and `Site.limit_refusal` answers what the configured limits refuse (414,
         431 with our headers, on HTTP/1.1); beyond them aiohttp refuses (`handle_error`).
-        So a head being read holds at most (2 * WEB_MAX_HEADERS + 1) * WEB_MAX_HEAD_BYTES."""
+        The head's bytes are bounded while it is read by `Connection.feed`."""
         return {
             "max_line_size": self.max_head_bytes,
             "max_field_size": self.max_head_bytes,
@@ -116,7 +122,7 @@ class Limits:
             # The wait for a head: on a new connection, and after each answer.
             "keepalive_timeout": self.head_seconds,
             # A body left unread by a refusal from the head (413, 411) is read and dropped
-            # for at most this long, so the connection stays usable.
+            # by `Site._drop_body`; aiohttp's own reading of it, never needed, no longer.
             "lingering_time": self.body_seconds,
         }
 
@@ -154,6 +160,123 @@ def origin_form(target: str) -> tuple[str, str | None]:
 
 # What a connection is doing, and so which deadline the sweep holds it to.
 BODY, BUSY, IDLE = "body", "busy", "idle"
+# File descriptors a worker keeps for other than its clients (the database, the gateway's
+# link, logs, the loop): the connection cap stays this far below RLIMIT_NOFILE.
+SPARE_FILES = 128
+
+
+def connection_cap(configured: int) -> int:
+    """WEB_MAX_CONNECTIONS, lowered to stay below the process's open-file limit (its soft
+    limit raised to the hard one first, as any process may): past that limit every new
+    connection would be closed at once, with no answer."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft == resource.RLIM_INFINITY or configured + SPARE_FILES <= soft:
+        return configured
+    lowered = max(soft - SPARE_FILES, 1)
+    log.warning(
+        "web.connections_capped",
+        extra={"configured": configured, "cap": lowered, "open_files_limit": soft},
+    )
+    return lowered
+
+
+def queued(connection: web.RequestHandler) -> int:
+    """Requests aiohttp has parsed that wait for their turn on this connection. aiohttp has
+    no public name for them: its private deque `RequestHandler._messages` (3.14), read only
+    here; `test_what_aiohttp_queues_is_where_we_read_it` in tests/test_web_server.py fails
+    if aiohttp changes it."""
+    return len(connection._messages)
+
+
+class Gate(asyncio.Transport):
+    """The transport as aiohttp sees it. aiohttp pauses and resumes reading for its own
+    reasons (its queue of parsed requests, a body not yet read); the connection holds it
+    paused for ours (a request being answered). Reading resumes when neither holds it."""
+
+    __slots__ = ("ours", "theirs", "transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__()
+        self.transport = transport
+        self.ours = self.theirs = False
+
+    def hold(self) -> None:
+        if not self.ours:
+            self.ours = True
+            if not self.theirs:
+                self._pause()
+
+    def release(self) -> None:
+        if self.ours:
+            self.ours = False
+            if not self.theirs:
+                self._resume()
+
+    def _pause(self) -> None:
+        with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+            self.transport.resume_reading()
+
+    def pause_reading(self) -> None:
+        if not self.theirs:
+            self.theirs = True
+            if not self.ours:
+                self._pause()
+
+    def resume_reading(self) -> None:
+        if self.theirs:
+            self.theirs = False
+            if not self.ours:
+                self._resume()
+
+    def is_reading(self) -> bool:
+        return self.transport.is_reading()
+
+    def write(self, data: Any) -> None:
+        self.transport.write(data)
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.transport.writelines(list_of_data)
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def abort(self) -> None:
+        self.transport.abort()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.transport.get_extra_info(name, default)
+
+    def get_write_buffer_size(self) -> int:
+        return self.transport.get_write_buffer_size()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self.transport.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self.transport.set_write_buffer_limits(high, low)
+
+    def can_write_eof(self) -> bool:
+        return self.transport.can_write_eof()
+
+    def write_eof(self) -> None:
+        self.transport.write_eof()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self.transport.get_protocol()
 
 
 class Connection(web.RequestHandler):
@@ -161,20 +284,86 @@ class Connection(web.RequestHandler):
     sweep holds it to the body and flush deadlines, and a head aiohttp's parser refuses is
     answered with our headers and logged like any answer (`handle_error`)."""
 
-    __slots__ = ("flush_since", "phase", "since", "site", "wire")
+    __slots__ = (
+        "flush_since", "gate", "handling", "head_bytes", "held", "idle_since", "phase",
+        "since", "site", "wire",
+    )  # fmt: skip
 
     def __init__(self, manager: web.Server, site: Site, **options: Any) -> None:
         super().__init__(manager, **options)
         self.site = site
         self.wire: asyncio.Transport | None = None  # aiohttp forgets it when closing
+        self.gate: Gate | None = None
         self.phase = IDLE
-        self.since = 0.0
+        self.since = self.idle_since = time.monotonic()
         self.flush_since: float | None = None
+        self.handling = False  # a request of this connection is being answered
+        self.held = bytearray()  # what came while one was (not given to aiohttp's parser)
+        self.head_bytes = 0  # of the head being read, while waiting for one
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self.wire = transport  # type: ignore[assignment]
-        self.site.connections.add(self)
+        wire: asyncio.Transport = transport  # type: ignore[assignment]
+        self.gate = Gate(wire)
+        super().connection_made(self.gate)
+        self.wire = wire
+        self.site.admit(self)
+
+    # ------------------------------------------------------------ what is read, and when
+    def waits(self) -> bool:
+        """Whether what comes now must wait: a request is being answered (its body read
+        already), or requests parsed already wait for their turn. So a connection holds at
+        most one read from the socket ahead of the request being answered."""
+        return bool(queued(self)) or (self.handling and self.phase != BODY)
+
+    def idle(self) -> bool:
+        """Waiting for a head (none begun, or one in progress): nothing being answered."""
+        return not self.handling and not self.held and not queued(self)
+
+    def data_received(self, data: bytes) -> None:
+        if data and (self.held or self.waits()):
+            self.held += data
+            assert self.gate is not None
+            self.gate.hold()
+            return
+        self.feed(data)
+
+    def feed(self, data: bytes) -> None:
+        """Give `data` to aiohttp's parser. While waiting for a head, no more than
+        WEB_MAX_HEAD_BYTES before it ends: beyond that the head is refused (431) while it
+        is read, not once it was whole."""
+        if self.handling or not data:  # a body being read (or aiohttp parsing what it held)
+            super().data_received(data)
+            return
+        room = self.site.limits.max_head_bytes - self.head_bytes
+        piece = data[:room] if len(data) > room else data
+        self.head_bytes += len(piece)
+        super().data_received(piece)
+        if queued(self):  # a head (or aiohttp's refusal of one) is whole: its turn
+            self.head_bytes = 0
+            if len(piece) < len(data):
+                self.data_received(data[len(piece) :])
+        elif self.head_bytes >= self.site.limits.max_head_bytes:
+            self.site.refuse(self, 431, "Request Header Fields Too Large",
+                             b"request head too large\n")  # fmt: skip
+
+    def release(self) -> None:
+        """What came while a request was answered, to the parser once it may be read."""
+        if self.held and not self.waits():
+            data, self.held = bytes(self.held), bytearray()
+            assert self.gate is not None
+            self.gate.release()
+            self.feed(data)
+
+    def begin(self) -> None:
+        self.handling = True
+
+    def end(self) -> None:
+        """The request was answered: the next head may be read."""
+        self.handling = False
+        self.head_bytes = 0
+        self.phase = IDLE
+        self.idle_since = time.monotonic()
+        self.release()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.site.connections.discard(self)
@@ -188,6 +377,8 @@ class Connection(web.RequestHandler):
     def enter(self, phase: str) -> None:
         self.phase = phase
         self.since = time.monotonic()
+        if phase == BODY:  # its body may be read now
+            self.release()
 
     def handle_error(
         self,
@@ -241,6 +432,7 @@ class Site:
         self.limits = limits
         self.stopping = False
         self.connections: set[Connection] = set()
+        self.evicted = self.refused = 0  # at the connection cap, since the last log line
         self._security = security
         self._proxy_header = security.proxy_header_name()
 
@@ -263,6 +455,18 @@ class Site:
         """aiohttp's handler: answer one request whose head was read; never raises."""
         started = time.perf_counter()
         connection: Connection = request.protocol  # type: ignore[assignment]
+        connection.begin()
+        try:
+            response = await self._handle(request, connection, started)
+            if response.keep_alive:
+                await self._drop_body(request, connection)
+            return response
+        finally:
+            connection.end()
+
+    async def _handle(
+        self, request: web.BaseRequest, connection: Connection, started: float
+    ) -> web.StreamResponse:
         close = False
         try:
             answer = self.limit_refusal(request)
@@ -285,6 +489,22 @@ class Site:
             log.error("web.answer_unsendable", extra={"status": status})
             status, headers, body, close = 500, [_TEXT], b"internal error\n", True
         return await self.send(request, status, headers, body, started, close=close)
+
+    async def _drop_body(self, request: web.BaseRequest, connection: Connection) -> None:
+        """A body left unread by a refusal from the head (413, 411): read and dropped within
+        WEB_MAX_BODY_BYTES and WEB_BODY_SECONDS (the sweep), so the connection stays usable;
+        beyond them it is closed."""
+        content = request.content
+        if not request.body_exists or content.is_eof():
+            return
+        connection.enter(BODY)
+        dropped = 0
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError,
+                                 web.RequestPayloadError):  # fmt: skip
+            while not content.is_eof() and dropped <= self.limits.max_body_bytes:
+                dropped += len(await content.readany())
+        if not content.is_eof():
+            connection.force_close()
 
     def limit_refusal(self, request: web.BaseRequest) -> Answer | None:
         """The configured limits of a head aiohttp's parser took (within its own)."""
@@ -436,15 +656,67 @@ class Site:
         transport = request.transport
         return transport is not None and not transport.is_closing()
 
+    # ---------------------------------------------------------------- the connection cap
+    def admit(self, connection: Connection) -> None:
+        """A new connection, within WEB_MAX_CONNECTIONS: at the cap, the connection that has
+        waited longest for a head is closed to make room (idle ones cannot keep a worker
+        from its clients); when every one is being answered, the new one is refused (503
+        with Connection: close)."""
+        self.connections.add(connection)
+        if len(self.connections) <= self.limits.max_connections:
+            return
+        waiting = [other for other in self.connections if other is not connection and other.idle()]
+        if waiting:
+            oldest = min(waiting, key=lambda other: other.idle_since)
+            self.evicted += 1
+            if oldest.wire is not None:
+                oldest.wire.close()
+            self.connections.discard(oldest)
+            return
+        self.refused += 1
+        self.refuse(connection, 503, "Service Unavailable", b"too many connections\n")
+
+    def refuse(self, connection: Connection, status: int, reason: str, text: bytes) -> None:
+        """An answer written before any request of this connection was parsed (a head too
+        large while it is read, a connection over the cap): our headers, an access line,
+        the count, then the connection closed."""
+        wire = connection.wire
+        self.connections.discard(connection)
+        if wire is None or wire.is_closing():
+            return
+        fields = [
+            _SERVER, _TEXT, ("Content-Length", str(len(text))), ("Connection", "close"),
+            ("Date", formatdate(usegmt=True)), *self._security.security_headers(False),
+        ]  # fmt: skip
+        head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{n}: {v}\r\n" for n, v in fields)
+        wire.write(head.encode("latin-1") + b"\r\n" + text)
+        connection.force_close()  # (closes the transport: what was written is sent first)
+        wire.close()
+        from relay import metrics
+
+        metrics.count_request("", "other", status, 0.0)
+        peer = wire.get_extra_info("peername")
+        access_log.info('%s "-" %d %d', peer[0] if peer else "-", status, len(text),
+                        extra={"status": status, "ms": 0.0})  # fmt: skip
+
     # ---------------------------------------------------------------- deadlines and stop
     async def sweep(self) -> None:
         """Twice a second: a body past WEB_BODY_SECONDS closes its connection; an answer the
         socket has not taken WEB_FLUSH_SECONDS after it began to wait closes it hard (RST).
         One pass over the connections instead of a timer per request."""
         limits = self.limits
+        logged = 0.0
         while True:
             await asyncio.sleep(SWEEP_SECONDS)
             now = time.monotonic()
+            if (self.evicted or self.refused) and now - logged > 10:  # one line per 10 s
+                log.warning(
+                    "web.connection_cap",
+                    extra={"cap": limits.max_connections, "idle_closed": self.evicted,
+                           "refused": self.refused},
+                )  # fmt: skip
+                self.evicted = self.refused = 0
+                logged = now
             for connection in list(self.connections):
                 wire = connection.wire
                 if wire is None:

@@ -200,8 +200,13 @@ def web_check(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         address = None
     if address is None or not 0 <= address[1] <= 65535:
         messages.append(Error("WEB_BIND must be host:port (e.g. 127.0.0.1:8000).", id="relay.E130"))
-    if relay.web_workers < 1 or relay.web_threads < 1:
-        messages.append(Error("WEB_WORKERS and WEB_THREADS must be at least 1.", id="relay.E131"))
+    if relay.web_workers < 1 or relay.web_threads < 1 or relay.web_max_connections < 1:
+        messages.append(
+            Error(
+                "WEB_WORKERS, WEB_THREADS and WEB_MAX_CONNECTIONS must be at least 1.",
+                id="relay.E131",
+            )
+        )
     if relay.web_max_head_bytes < 1024 or relay.web_max_headers < 10:
         messages.append(
             Error(

@@ -263,6 +263,15 @@ class Environment(BaseSettings):
     web_body_seconds: float = var("WEB_BODY_SECONDS", 30.0, "", group=Group.PROCESSES)
     web_flush_seconds: float = var("WEB_FLUSH_SECONDS", 10.0, "", group=Group.PROCESSES)
     web_graceful_seconds: float = var("WEB_GRACEFUL_SECONDS", 25.0, "", group=Group.PROCESSES)
+    web_max_connections: int = var(
+        "WEB_MAX_CONNECTIONS",
+        1000,
+        "Connections one web worker keeps open (docs/web.md): at the cap the one that has "
+        "waited longest for a request is closed, or, when every one is being answered, a new "
+        "one is refused (503). Kept below the open-file limit (LimitNOFILE) less 128 for the "
+        "worker's other files.",
+        group=Group.PROCESSES,
+    )
     worker_concurrency: int = var(
         "WORKER_CONCURRENCY",
         16,

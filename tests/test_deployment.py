@@ -28,6 +28,7 @@ import pytest
 import yaml
 from cryptography.fernet import Fernet
 
+from relay.environment import Environment
 from tests.support.ports import LOOPBACK, free_port
 from tests.support.processes import ROOT, ServiceProcess
 from tests.support.rabbitmq import PrivateRabbit
@@ -303,6 +304,9 @@ def test_the_units_install_and_harden_every_process():
             assert service["Restart"] == "on-failure", name
             assert service["KillMode"] == "mixed", name  # SIGTERM to the main process only
             assert "push-relay-migrate.service" in unit.one("Unit", "After").split(), name
+    # The web process's connections stay below its open-file limit (docs/web.md).
+    cap = Environment.model_fields["web_max_connections"].default
+    assert int(units()["web"].one("Service", "LimitNOFILE")) >= cap + 128
     target = Unit.read(UNITS_DIR / "push-relay.target")
     assert target.one("Install", "WantedBy") == "multi-user.target"
 
@@ -412,6 +416,7 @@ def test_the_compose_file_wires_databases_healthchecks_and_beat_once(tmp_path):
     assert environment["CACHE_URL"] != environment["RELAY_STATE_URL"]
     assert services["uwpx"]["environment"]["UWPX_LISTEN_ADDRESS"] == "0.0.0.0"
     assert environment["WEB_BIND"] == "0.0.0.0:8000"  # inside the container: all interfaces
+    assert services["web"]["ulimits"]["nofile"] == {"soft": 65536, "hard": 65536}
 
     # The web process has the image's healthcheck, the gateway and the worker probe their own
     # listener (reachable by Prometheus on the network); beat is one, forever.

@@ -380,6 +380,129 @@ def test_any_header_byte_reaches_django_and_deep_json_is_a_bad_request(web_endpo
     assert "Traceback" not in log and '"level": "ERROR"' not in log, log[-3000:]
 
 
+DEFAULT_HEADS = {  # the defaults (relay/environment.py), which the attacks below were sized for
+    "WEB_MAX_HEADERS": "100",
+    "WEB_MAX_HEAD_BYTES": "16384",
+    "WEB_MAX_REQUEST_LINE": "8190",
+    "WEB_FLUSH_SECONDS": "30",
+}
+
+
+@pytest.fixture
+def default_heads_web(transactional_db):
+    yield from _web_with_an_endpoint(**DEFAULT_HEADS)
+
+
+def _hostile(port: int, data: bytes, times: int) -> None:
+    """Send `data` `times` times on one connection, pipelined, never reading; until the
+    server closes it."""
+    with connect(port, timeout=20) as sock, suppress(OSError):
+        for _ in range(times):
+            sock.sendall(data)
+
+
+def test_hostile_heads_and_bodies_hold_no_more_than_the_documented_bound(default_heads_web):
+    """Pipelined heads of 100 fields of 16,000 bytes (1.6 MB each, within aiohttp's own
+    per-field and count limits), and pipelined 900 KiB bodies, on four connections that
+    never read: the worker's memory grows by less than docs/web.md's bound for four
+    connections (3 x (WEB_MAX_HEAD_BYTES + WEB_MAX_BODY_BYTES + 256 KiB) each), where it
+    once queued 32 such heads per connection (hundreds of MiB, kept after)."""
+    _, port, _, _ = default_heads_web
+    web = default_heads_web[0]
+    [worker] = child_pids(web.process.pid)
+    fields = "".join(f"X-F{n}: {'a' * 16000}\r\n" for n in range(100))
+    head = f"GET /healthz HTTP/1.1\r\nHost: localhost\r\n{fields}\r\n".encode()
+    body = request("POST", "/healthz", body=b"b" * (900 * 1024))
+    before = rss_kib(worker)
+    peak = before
+    senders = [
+        threading.Thread(target=_hostile, args=(port, data, 34))
+        for data in (head, head, body, body)
+    ]
+    for sender in senders:
+        sender.start()
+    while any(sender.is_alive() for sender in senders):
+        peak = max(peak, rss_kib(worker))
+        select.select([], [], [], 0.02)
+    peak = max(peak, rss_kib(worker))
+    per_connection = 3 * (16384 + 1024 * 1024 + 256 * 1024) // 1024  # KiB
+    assert peak - before < 4 * per_connection + 16 * 1024, (before, peak)
+    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+
+
+def test_a_head_is_refused_while_it_is_read(web_endpoint):
+    """Past WEB_MAX_HEAD_BYTES (8192 here) without its end, a head is answered 431 and the
+    connection closed then, not once the head is whole."""
+    _, port, _, _ = web_endpoint
+    with connect(port) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-A: " + b"a" * 5000)
+        sock.sendall(b"\r\nX-B: " + b"b" * 5000)  # 10 KB, no end of head yet
+        [answer] = Reader(sock).answers(1, timeout=10)
+        assert answer.status == 431 and answer.header("Connection") == "close"
+        assert answer.header("X-Content-Type-Options") == "nosniff"
+        assert closed_by_peer(sock, timeout=5)
+    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+
+
+@pytest.fixture
+def capped_web(transactional_db):
+    """At most 20 connections, a body deadline longer than the test."""
+    yield from _web_with_an_endpoint(WEB_MAX_CONNECTIONS="20", WEB_BODY_SECONDS="60")
+
+
+def test_at_the_connection_cap_idle_connections_make_room_and_busy_ones_a_503(capped_web):
+    """30 connections that never send a head: the oldest are closed as new ones come, and
+    a client is answered meanwhile. 20 connections whose bodies are being read: a new one
+    is refused with a 503 and Connection: close, and served once they end."""
+    web, port, _, token = capped_web
+    idle = [connect(port) for _ in range(30)]
+    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+    wait_until(lambda: raw_http.established(port) <= 20)
+    # The oldest went first: the ten (and one more for the request above) opened first.
+    assert all(closed_by_peer(sock, timeout=5) for sock in idle[:11])
+    for sock in idle:
+        sock.close()
+    wait_until(lambda: raw_http.established(port) == 0)
+    busy = []
+    for _ in range(20):  # each told to send its body (being answered), which never comes
+        sock = connect(port)
+        data = post(token, b"z" * 100, "Expect: 100-continue")
+        sock.sendall(data[: data.index(b"\r\n\r\n") + 4])
+        continued = b""
+        while b"\r\n\r\n" not in continued:
+            continued += sock.recv(1024)
+        assert continued.startswith(b"HTTP/1.1 100 Continue\r\n")
+        busy.append(sock)
+    with connect(port, timeout=5) as sock:
+        [refused] = Reader(sock).answers(1, timeout=10)
+        assert refused.status == 503 and refused.header("Connection") == "close"
+        assert refused.header("X-Content-Type-Options") == "nosniff"
+        assert closed_by_peer(sock, timeout=5)
+    for sock in busy:
+        sock.close()
+    wait_until(lambda: raw_http.established(port) == 0)
+    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+    wait_until(lambda: '"web.connection_cap"' in web.log_text())  # said in the log
+
+
+def test_the_connection_cap_stays_below_the_open_file_limit(transactional_db):
+    """Under an open-file limit of 256 (the cap, 1000, lowered to 128): 300 connections that
+    never send a head do not make new ones close unanswered."""
+    messages.reset_limits()
+    web, url = start_web(prefix=["prlimit", "--nofile=256:256"], **LIMITS)
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        idle = [connect(port) for _ in range(300)]
+        for _ in range(3):
+            assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+        wait_until(lambda: raw_http.established(port) <= 128)
+        for sock in idle:
+            sock.close()
+        assert '"cap": 128' in web.log_text()
+    finally:
+        web.stop()
+
+
 # --------------------------------------------------------------------------- in this process
 class _Resource:
     """A stand-in for the UnifiedPush resource that fails the way a bug would, or waits."""
@@ -439,10 +562,11 @@ class Worker:
         assert ready.wait(5)
 
     def site(self) -> server.Site:
-        return server.Site(
+        self.site_made = server.Site(
             django=_django, resource=self.resource, resource_paths=re.compile(r"/push/.*"),
             limits=self.limits, threads=2,
         )  # fmt: skip
+        return self.site_made
 
     def on_loop(self, call) -> None:
         assert self.loop is not None
@@ -536,3 +660,26 @@ def test_heads_aiohttps_parser_refuses_are_answered_with_our_headers(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "pushsite.access"]
     assert sum(" 431 " in line for line in lines) == 3, lines
     assert sum(" 400 " in line for line in lines) == 1, lines
+
+
+@pytest.mark.defaults
+def test_what_aiohttp_queues_is_where_we_read_it():
+    """`server.queued` reads aiohttp's private queue of parsed requests: three pipelined
+    requests behind one being answered are parsed in one read, two wait there (this fails if
+    aiohttp renames or reshapes it), and are answered in order once it is."""
+    with in_process_worker() as worker, connect(worker.port, timeout=5) as sock:
+        sock.sendall(b"".join(request("POST", f"/push/{name}", body=b"x")
+                              for name in ("slow", "a", "b")))  # fmt: skip
+        assert worker.resource.holding.wait(5)
+        counts: list[int] = []
+        asked = threading.Event()
+
+        def count() -> None:
+            counts.extend(server.queued(connection) for connection in worker.site_made.connections)
+            asked.set()
+
+        worker.on_loop(count)
+        assert asked.wait(5)
+        assert counts == [2]
+        worker.on_loop(worker.resource.release.set)
+        assert [a.status for a in Reader(sock).answers(3, timeout=5)] == [201, 201, 201]

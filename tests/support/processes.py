@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
 
@@ -195,9 +196,11 @@ def start_worker(**env: str) -> ServiceProcess:
 test_database_url.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
 
 
-def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[ServiceProcess, str]:
+def start_web(
+    *, workers: int = 1, threads: int = 4, prefix: Sequence[str] = (), **env: str
+) -> tuple[ServiceProcess, str]:
     """The web process as the Procfile runs it (`python -m pushsite.server`), on a free port;
-    and its base URL."""
+    and its base URL. `prefix`: a command that runs it (`prlimit --nofile=…`)."""
     from tests.support.ports import free_port
 
     port = free_port()
@@ -207,7 +210,9 @@ def start_web(*, workers: int = 1, threads: int = 4, **env: str) -> tuple[Servic
         "WEB_THREADS": str(threads),
     }
     web = ServiceProcess(
-        "web", [sys.executable, "-m", "pushsite.server"], service_env(**{**settings, **env})
+        "web",
+        [*prefix, sys.executable, "-m", "pushsite.server"],
+        service_env(**{**settings, **env}),
     )
     return web, _ready(web, port)
 
