@@ -539,10 +539,9 @@ def _worker(sockets: list[socket.socket]) -> int:
 
 
 # --------------------------------------------------------------------------- the supervisor
-def _metrics_directory() -> tuple[str, bool]:
-    """WEB_METRICS_DIR emptied of old files, or a fresh temporary directory (True: ours to
-    remove). Set for the workers before anything imports prometheus_client."""
-    directory = os.environ.get("WEB_METRICS_DIR", "")
+def _metrics_directory(directory: str) -> tuple[str, bool]:
+    """`directory` (WEB_METRICS_DIR) emptied of old files, or a fresh temporary directory
+    (True: ours to remove). Set for the workers before anything imports prometheus_client."""
     made = not directory
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -636,10 +635,10 @@ class Supervisor:
 
 
 def main() -> int:
-    directory, made = _metrics_directory()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
-    # Settings and logging only: the applications load in each worker (django.setup() in
-    # pushsite/wsgi.py), so that only workers keep metric values (files in the directory).
+    # Settings and logging only (neither imports prometheus_client): the applications load
+    # in each worker (django.setup() in pushsite/wsgi.py), so that only workers keep metric
+    # values (files in the directory).
     from django.conf import settings
     from django.utils.log import configure_logging
 
@@ -647,6 +646,7 @@ def main() -> int:
     from relay import conf
 
     current = conf.current()
+    directory, made = _metrics_directory(current.web_metrics_dir)
     host, _, port = current.web_bind.rpartition(":")  # its form: manage.py check (relay.E130)
     if not host or not port.isdigit():
         raise SystemExit("WEB_BIND must be host:port (manage.py check says more)")
