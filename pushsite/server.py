@@ -40,6 +40,7 @@ import struct
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -555,6 +556,21 @@ def _metrics_directory(directory: str) -> tuple[str, bool]:
     return directory, made
 
 
+def _check_static(root: Path) -> None:
+    """One line when `collectstatic` has not run (the admin then has no styles or scripts),
+    instead of WhiteNoise's warning from every worker it forks."""
+    if root.is_dir():
+        return
+    log.warning(
+        "web.static_missing",
+        extra={"static_root": str(root), "fix": "manage.py collectstatic --noinput"},
+    )
+    # Inherited by the workers: WhiteNoise says so again in each as it starts.
+    warnings.filterwarnings(
+        "ignore", message=re.escape(f"No directory at: {root}"), category=UserWarning
+    )
+
+
 class Supervisor:
     """Forks the workers, starts another when one dies, stops them on SIGTERM or SIGINT."""
 
@@ -647,6 +663,7 @@ def main() -> int:
 
     current = conf.current()
     directory, made = _metrics_directory(current.web_metrics_dir)
+    _check_static(Path(settings.STATIC_ROOT))
     host, _, port = current.web_bind.rpartition(":")  # its form: manage.py check (relay.E130)
     if not host or not port.isdigit():
         raise SystemExit("WEB_BIND must be host:port (manage.py check says more)")

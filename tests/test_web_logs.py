@@ -280,3 +280,58 @@ def test_no_live_token_reaches_the_web_process_output(server):
 
 def _events_text(web: ServiceProcess) -> str:
     return "\n".join(str(event.get("event")) for event in _json_events(web.log_text()))
+
+
+# --- every line JSON: a missing static folder, Python's warnings ----------------------------
+
+
+@pytest.mark.defaults
+@pytest.mark.django_db(transaction=True)
+def test_a_missing_static_folder_is_one_line_not_a_warning_per_worker(tmp_path):
+    """Before `collectstatic` WhiteNoise warns in every worker; the web process says it once,
+    in JSON, with what to run."""
+    missing = tmp_path / "static"
+    web, _ = start_web(workers=2, STATIC_ROOT=str(missing))
+    web.stop()
+    lines = web.log_text().splitlines()
+    assert [line for line in lines if not line.startswith("{")] == [], lines
+    events = _json_events(web.log_text())
+    said = [event for event in events if event["event"] == "web.static_missing"]
+    assert said == [
+        {
+            "ts": said[0]["ts"],
+            "level": "WARNING",
+            "logger": "pushsite.server",
+            "event": "web.static_missing",
+            "static_root": str(missing),
+            "fix": "manage.py collectstatic --noinput",
+        }
+    ]
+    assert not [event for event in events if "No directory at" in event["event"]]
+
+
+@pytest.mark.defaults
+def test_python_warnings_are_json_lines():
+    import subprocess
+    import sys
+
+    from tests.support.processes import ROOT, service_env
+
+    code = "import django, warnings; django.setup(); warnings.warn('careful', FutureWarning)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=service_env(DJANGO_SETTINGS_MODULE="pushsite.settings"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    [line] = done.stderr.splitlines()
+    event = json.loads(line)
+    assert (event["level"], event["logger"], event["event"]) == (
+        "WARNING",
+        "py.warnings",
+        "FutureWarning: careful",
+    )
+    assert event["where"] == "<string>:1"
