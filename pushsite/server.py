@@ -43,6 +43,7 @@ import struct
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -829,10 +830,9 @@ def _worker(sockets: list[socket.socket]) -> int:
 
 
 # --------------------------------------------------------------------------- the supervisor
-def _metrics_directory() -> tuple[str, bool]:
-    """WEB_METRICS_DIR emptied of old files, or a fresh temporary directory (True: ours to
-    remove). Set for the workers before anything imports prometheus_client."""
-    directory = os.environ.get("WEB_METRICS_DIR", "")
+def _metrics_directory(directory: str) -> tuple[str, bool]:
+    """`directory` (WEB_METRICS_DIR) emptied of old files, or a fresh temporary directory
+    (True: ours to remove). Set for the workers before anything imports prometheus_client."""
     made = not directory
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -844,6 +844,21 @@ def _metrics_directory() -> tuple[str, bool]:
     # their values into the web's files (nor have them removed at the web's next start).
     os.environ[MULTIPROC_ENV] = directory
     return directory, made
+
+
+def _check_static(root: Path) -> None:
+    """One line when `collectstatic` has not run (the admin then has no styles or scripts),
+    instead of WhiteNoise's warning from every worker it forks."""
+    if root.is_dir():
+        return
+    log.warning(
+        "web.static_missing",
+        extra={"static_root": str(root), "fix": "manage.py collectstatic --noinput"},
+    )
+    # Inherited by the workers: WhiteNoise says so again in each as it starts.
+    warnings.filterwarnings(
+        "ignore", message=re.escape(f"No directory at: {root}"), category=UserWarning
+    )
 
 
 class Supervisor:
@@ -926,10 +941,10 @@ class Supervisor:
 
 
 def main() -> int:
-    directory, made = _metrics_directory()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
-    # Settings and logging only: the applications load in each worker (django.setup() in
-    # pushsite/wsgi.py), so that only workers keep metric values (files in the directory).
+    # Settings and logging only (neither imports prometheus_client): the applications load
+    # in each worker (django.setup() in pushsite/wsgi.py), so that only workers keep metric
+    # values (files in the directory).
     from django.conf import settings
     from django.utils.log import configure_logging
 
@@ -937,6 +952,8 @@ def main() -> int:
     from relay import conf
 
     current = conf.current()
+    directory, made = _metrics_directory(current.web_metrics_dir)
+    _check_static(Path(settings.STATIC_ROOT))
     host, _, port = current.web_bind.rpartition(":")  # its form: manage.py check (relay.E130)
     if not host or not port.isdigit():
         raise SystemExit("WEB_BIND must be host:port (manage.py check says more)")

@@ -411,6 +411,8 @@ if _reports_at or _prune_at:
         }
 
 LOG_LEVEL = ENV.log_level.upper()
+# Python's warnings are log lines too (relay.logging.configure).
+LOGGING_CONFIG = "relay.logging.configure"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

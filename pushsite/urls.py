@@ -1,5 +1,5 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
 from relay import views
 from relay.windows.api.views import api as api_v1
@@ -11,6 +11,7 @@ urlpatterns = [
     path("metrics", views.metrics_view, name="metrics"),
     # /api/v1/openapi.json is the schema, /api/v1/docs the interactive docs.
     path("api/v1/", api_v1.urls),
-    # UnifiedPush's endpoints, message resources and Matrix push gateway are not Django's:
-    # the web server sends them to relay/unifiedpush/http.py (pushsite/server.py).
+    # UnifiedPush's endpoints, message resources and Matrix push gateway: the web process
+    # answers them before Django (pushsite/server.py); these serve them under runserver.
+    path("", include("relay.unifiedpush.urls")),
 ]

@@ -1,7 +1,7 @@
 """The gateway's publisher: Celery task messages on py-amqp's public API, with confirms.
 
 Why not `send_task`: building a signature, routing, acquiring a kombu producer and declaring
-cost about 0.8 ms of CPU per publish more than writing the message (issue 19's measurement).
+cost about 0.8 ms of CPU per publish more than writing the message.
 This writes what `send_task` writes for the relay's tasks, field by field (headers,
 properties, body: tests/test_amqp_publisher.py compares them and has a stock Celery worker
 run them), and returns only once RabbitMQ confirmed the message (it is then on a quorum of

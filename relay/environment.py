@@ -746,9 +746,9 @@ class Environment(BaseSettings):
     retention_days: int = var(
         "RELAY_RETENTION_DAYS",
         90,
-        "Records (deliveries, publish tallies, registration events) older than this many days "
-        "are pruned by `manage.py prune_records` and the beat entry at RELAY_PRUNE_AT (UTC, "
-        "HH:MM; empty turns it off).",
+        "Records (deliveries, UnifiedPush deliveries, publish tallies, registration events) "
+        "older than this many days are pruned by `manage.py prune_records` and the beat entry "
+        "at RELAY_PRUNE_AT (UTC, HH:MM; empty turns it off).",
         group=Group.REPORTS,
     )
     prune_at: str = var("RELAY_PRUNE_AT", "03:30", "", group=Group.REPORTS)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.config
 import re
+import warnings
+from typing import Any, TextIO
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 # Attached by Django to its request records (the request, or runserver's socket): its repr
@@ -119,3 +122,26 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exc_type"] = record.exc_info[0].__name__ if record.exc_info[0] else None
         return json.dumps(entry, default=str)
+
+
+def configure(config: dict[str, Any]) -> None:
+    """settings.LOGGING_CONFIG: the dictionary configuration, and Python's warnings as log
+    lines of `py.warnings` (JSON like every other line; Django leaves them raw on stderr)."""
+    logging.config.dictConfig(config)
+    warnings.showwarning = _log_warning
+
+
+def _log_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    if file is not None:  # written to a stream someone chose, as Python would
+        file.write(warnings.formatwarning(message, category, filename, lineno, line))
+        return
+    logging.getLogger("py.warnings").warning(
+        "%s: %s", category.__name__, message, extra={"where": f"{filename}:{lineno}"}
+    )

@@ -170,3 +170,31 @@ def test_a_redis_broker_is_refused_with_the_way_out():
     assert message.id == "relay.E140" and "drain_redis_broker" in (message.hint or "")
     with relay_settings(CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:5672//"):
         assert broker_check() == []
+
+
+def test_no_declared_setting_is_read_from_the_raw_environment():
+    """Declared settings are read through relay.conf.current(): a module that reads one from
+    os.environ misses its type, its default and a test's override_settings. Only
+    relay/environment.py (the declarations) and pushsite/settings.py (which builds them) read
+    the environment."""
+    import re
+
+    from relay.environment import declared
+
+    names = {env for _, env, _ in declared()}
+    raw = re.compile(
+        r"(?:os\.environ\.get|os\.getenv|os\.environ\.setdefault)\(\s*[\"']([A-Z][A-Z0-9_]*)[\"']"
+        r"|os\.environ\[\s*[\"']([A-Z][A-Z0-9_]*)[\"']\s*\]"
+        r"|[\"']([A-Z][A-Z0-9_]*)[\"']\s+in\s+os\.environ"
+    )
+    allowed = {ROOT / "relay" / "environment.py", ROOT / "pushsite" / "settings.py"}
+    found = []
+    for package in ("pushsite", "relay", "xmppgateway"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path in allowed:
+                continue
+            for match in raw.finditer(path.read_text()):
+                name = next(group for group in match.groups() if group)
+                if name in names:
+                    found.append(f"{path.relative_to(ROOT)}: {name}")
+    assert found == []

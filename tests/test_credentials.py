@@ -751,3 +751,29 @@ def test_a_running_worker_uses_new_credentials_without_restart(
         worker.stop()
     assert WNS_SECRET not in worker.log_text()
     assert account_b["private_key"] not in worker.log_text()
+
+
+@pytest.mark.defaults
+@pytest.mark.parametrize("variable", ["REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"])
+def test_the_fcm_ca_bundle_is_the_configured_one(tenant, fake_fcm, tmp_path, monkeypatch, variable):
+    """The CA bundle's settings reach the (Django-free) provider from the registry, as
+    relay.conf has them: not from the process's environment."""
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("")  # read when a connection is made: none is here
+    for name in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):
+        monkeypatch.delenv(name, raising=False)
+    app = make_app(
+        tenant,
+        fcm_service_account=json.dumps(fake_fcm.service_account("project-ca")),
+        fcm_endpoint=fake_fcm.url,
+    )
+    names = {"REQUESTS_CA_BUNDLE": "", "CURL_CA_BUNDLE": "", variable: str(bundle)}
+    with override_settings(RELAY={**settings.RELAY, **names}):
+        provider = registry.provider_for(App.objects.get(pk=app.pk), "fcm")
+    assert provider._http.connection_pool_kw["ca_certs"] == str(bundle)  # type: ignore[attr-defined]
+    assert provider._token_session.verify == str(bundle)  # type: ignore[attr-defined]
+    default = registry.BUILDERS["fcm"](App.objects.get(pk=app.pk))
+    try:
+        assert default._http.connection_pool_kw["ca_certs"] != str(bundle)  # type: ignore[attr-defined]
+    finally:
+        default.close()

@@ -21,6 +21,7 @@ from relay.services import delivery, lifecycle, queue, retention, tallies, throt
 from relay.services import provider_registry as registry
 from relay.services.publishing import Publish, Verdict, accept_publishes
 from relay.services.registrations import register_device, unregister_device
+from relay.unifiedpush.models import UnifiedPushDelivery
 from relay.windows import services as uwpx
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeWns
@@ -309,11 +310,27 @@ def _delivery(component, received: datetime) -> Delivery:
     )
 
 
+def _unifiedpush_delivery(component, received: datetime) -> UnifiedPushDelivery:
+    return UnifiedPushDelivery(
+        tenant=component.tenant,
+        component=component,
+        outcome="delivered",
+        urgency=2,
+        received=received,
+        finished=received,
+        size=10,
+        ttl=60,
+    )
+
+
 def test_prune_deletes_only_what_is_older_than_the_retention(component, capsys):
     now = timezone.now()
     old, recent = now - timedelta(days=40), now - timedelta(days=10)
     Delivery.objects.bulk_create(
         [_delivery(component, old if n % 2 else recent) for n in range(25)]
+    )
+    UnifiedPushDelivery.objects.bulk_create(
+        [_unifiedpush_delivery(component, old if n % 3 else recent) for n in range(9)]
     )
     common = {"tenant": component.tenant, "app": component.app, "provider": "fcm"}
     RegistrationEvent.objects.bulk_create(
@@ -334,9 +351,11 @@ def test_prune_deletes_only_what_is_older_than_the_retention(component, capsys):
         "relay_delivery": 12,
         "relay_registrationevent": 1,
         "relay_publishtally": 1,
+        "relay_unifiedpushdelivery": 6,
     }
     assert not Delivery.objects.filter(received__lt=now - timedelta(days=30)).exists()
     assert Delivery.objects.count() == 13
+    assert list(UnifiedPushDelivery.objects.values_list("received", flat=True)) == [recent] * 3
     assert RegistrationEvent.objects.get().at == recent
     assert PublishTally.objects.get().minute == recent
     # Small batches, each reported: 23 ids in ranges of 4.
@@ -347,7 +366,8 @@ def test_prune_deletes_only_what_is_older_than_the_retention(component, capsys):
         call_command("prune_records", batch_size=100)
     out = capsys.readouterr().out
     assert "relay_delivery: 13 row(s) pruned" in out
-    assert Delivery.objects.count() == 0
+    assert "relay_unifiedpushdelivery: 3 row(s) pruned" in out
+    assert Delivery.objects.count() == 0 and not UnifiedPushDelivery.objects.exists()
 
 
 def test_prune_records_how_far_it_went_and_never_moves_the_cut_back(component):
@@ -361,6 +381,16 @@ def test_prune_records_how_far_it_went_and_never_moves_the_cut_back(component):
     Delivery.objects.bulk_create([_delivery(component, now - timedelta(days=40))])
     retention.prune(days=30, now=now)
     assert cuts() == {"relay_delivery": now - timedelta(days=30)}
+    # UnifiedPush's delivery records (a feature app's, registered with the retention) too.
+    UnifiedPushDelivery.objects.bulk_create(
+        [_unifiedpush_delivery(component, now - timedelta(days=40))]
+    )
+    assert retention.prune(days=30, now=now)["relay_unifiedpushdelivery"] == 1
+    assert cuts() == {
+        "relay_delivery": now - timedelta(days=30),
+        "relay_unifiedpushdelivery": now - timedelta(days=30),
+    }
+    RetentionCut.objects.filter(table_name="relay_unifiedpushdelivery").delete()
     Delivery.objects.bulk_create([_delivery(component, now - timedelta(days=20))])
     retention.prune(days=10, now=now)
     assert cuts() == {"relay_delivery": now - timedelta(days=10)}
@@ -368,6 +398,24 @@ def test_prune_records_how_far_it_went_and_never_moves_the_cut_back(component):
     Delivery.objects.bulk_create([_delivery(component, now - timedelta(days=200))])
     assert retention.prune(days=100, now=now)["relay_delivery"] == 1
     assert cuts() == {"relay_delivery": now - timedelta(days=10)}
+
+
+def test_prune_records_names_every_record_it_prunes():
+    """--help and RELAY_RETENTION_DAYS's description name each table `prune` deletes from."""
+    from relay.environment import declared
+    from relay.management.commands.prune_records import Command
+
+    named = {  # in --help, in the setting's description
+        "relay_delivery": ("delivery records", "deliveries"),
+        "relay_unifiedpushdelivery": ("UnifiedPush delivery records", "UnifiedPush deliveries"),
+        "relay_registrationevent": ("registration events", "registration events"),
+        "relay_publishtally": ("publish tallies", "publish tallies"),
+    }
+    assert {model._meta.db_table for model, _ in retention.PRUNED} == set(named)
+    help_text = " ".join(Command.help.split())
+    [setting] = [info for _, env, info in declared() if env == "RELAY_RETENTION_DAYS"]
+    for in_help, in_setting in named.values():
+        assert in_help in help_text and in_setting in (setting.description or ""), in_help
 
 
 def test_retention_zero_keeps_everything(component):

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from relay.models import Component
 from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
 from relay.unifiedpush.services import messages
 from tests.support.waiting import holds_for, wait_until
@@ -222,15 +223,26 @@ def test_posts_on_a_kept_alive_connection_go_the_direct_path_from_the_event_loop
             status, headers = connection.post(f"kept {n}".encode(), TTL="30")
             assert status == 201 and headers["TTL"] == "30"
             assert message_id(headers) >= DIRECT_IDS
-        # Past the cached component state's lifetime: one POST meets a cold cache and reads
-        # it on the thread pool, the others are answered from what the loop has cached.
-        deadline = time.monotonic() + messages.POLICY_SECONDS + 0.5
+        # The component's state changes (its endpoint URL, which names the Location): once
+        # the loop's cached copy is stale, one POST reads it again on the thread pool, and
+        # every POST meanwhile and after still goes the direct path.
+        cached = Component.objects.get(pk=lab.component.pk).unifiedpush_endpoint_url
+        moved = cached.rstrip("/") + "/moved"
+        Component.objects.filter(pk=lab.component.pk).update(unifiedpush_endpoint_url=moved)
         slow = 0
-        while time.monotonic() < deadline:
-            time.sleep(0.8)
+
+        def answered_with_the_new_state() -> bool:
+            nonlocal slow
             status, headers = connection.post(f"slow {slow}".encode())
-            assert status == 201 and message_id(headers) >= DIRECT_IDS
             slow += 1
+            assert status == 201 and message_id(headers) >= DIRECT_IDS
+            return headers["Location"].startswith(moved + "/push/message/")
+
+        wait_until(answered_with_the_new_state, 60, "a POST answered from the re-read state")
+        status, headers = connection.post(f"slow {slow}".encode())
+        slow += 1
+        assert status == 201 and headers["Location"].startswith(moved + "/push/message/")
+        Component.objects.filter(pk=lab.component.pk).update(unifiedpush_endpoint_url=cached)
         other = phone.register_endpoint(COMPONENT[0])
         phone.answer_with = "item-not-found"
         revoked = KeepAlive(other.url)

@@ -199,8 +199,8 @@ def _exercise(web: ServiceProcess, url: str) -> tuple[list[str], dict[str, int]]
     Component.objects.filter(pk=old.pk).update(unifiedpush_endpoint_url="http://пример.example")
     created = _request(port, "POST", f"/push/{token}")
     found = re.search(r"/push/message/(\S+)", created)
-    # Django's development server serves no UnifiedPush resource: a reference of the shape.
-    reference = found.group(1) if found else messages.message_reference(1)
+    assert found, created
+    reference = found.group(1)
     payload = token.removeprefix("v4.local.")
     statuses = {
         "post": _status(created),
@@ -242,14 +242,13 @@ def server(request):
         web.stop()
 
 
-# What each request gets: from the web process (its UnifiedPush resource, and Django for the
-# paths that are not the resource's), and from Django alone (runserver).
+# What each request gets from the UnifiedPush resource, and from Django for the paths that
+# are not the resource's: the same from the web process and from runserver.
 WEB = {
     "post": 201, "put": 405, "delete": 405, "double slash": 404, "query": 201, "percent": 201,
     "percent get": 200, "percent twice": 404, "trailing slash": 404, "in headers": 405,
     "foreign host": 400, "message get": 405, "message delete": 204, "old row": 201,
 }  # fmt: skip
-DJANGO_ALONE = {**dict.fromkeys(WEB, 404), "foreign host": 400}
 
 
 @pytest.mark.django_db(transaction=True)
@@ -257,7 +256,7 @@ DJANGO_ALONE = {**dict.fromkeys(WEB, 404), "foreign host": 400}
 def test_no_live_token_reaches_the_web_process_output(server):
     web, url = server
     secrets, statuses = _exercise(web, url)
-    assert statuses == (WEB if web.name == "web" else DJANGO_ALONE)
+    assert statuses == WEB
     # Every answered request has its lines, masked (the process's own log, in order).
     wait_until(lambda: "Not Found: /push/…" in _events_text(web))
     web.stop()
@@ -270,8 +269,8 @@ def test_no_live_token_reaches_the_web_process_output(server):
     assert not [event for event in events if "request" in event]
     if web.name == "runserver":  # Django's request lines, JSON like every other line
         lines = [event["event"] for event in events if event["logger"] == "django.server"]
-        assert any(line.startswith('"PUT /push/… HTTP/1.1" 404 ') for line in lines), lines
-        assert any(line.startswith('"DELETE /push/message/… HTTP/1.1" 404') for line in lines)
+        assert any(line.startswith('"PUT /push/… HTTP/1.1" 405 ') for line in lines), lines
+        assert any(line.startswith('"DELETE /push/message/… HTTP/1.1" 204') for line in lines)
         assert len([line for line in lines if " /push/" in line]) == 14, lines
     else:  # the web server's access log: one line per answer, whichever route made it
         lines = [event["event"] for event in events if event["logger"] == "pushsite.access"]
@@ -284,3 +283,76 @@ def test_no_live_token_reaches_the_web_process_output(server):
 
 def _events_text(web: ServiceProcess) -> str:
     return "\n".join(str(event.get("event")) for event in _json_events(web.log_text()))
+
+
+# --- every line JSON: a missing static folder, Python's warnings ----------------------------
+
+
+@pytest.mark.defaults
+@pytest.mark.django_db(transaction=True)
+def test_a_missing_static_folder_is_one_line_not_a_warning_per_worker(tmp_path):
+    """Before `collectstatic` WhiteNoise warns in every worker; the web process says it once,
+    in JSON, with what to run."""
+    missing = tmp_path / "static"
+    web, _ = start_web(workers=2, STATIC_ROOT=str(missing))
+    web.stop()
+    lines = web.log_text().splitlines()
+    assert [line for line in lines if not line.startswith("{")] == [], lines
+    events = _json_events(web.log_text())
+    said = [event for event in events if event["event"] == "web.static_missing"]
+    assert said == [
+        {
+            "ts": said[0]["ts"],
+            "level": "WARNING",
+            "logger": "pushsite.server",
+            "event": "web.static_missing",
+            "static_root": str(missing),
+            "fix": "manage.py collectstatic --noinput",
+        }
+    ]
+    assert not [event for event in events if "No directory at" in event["event"]]
+
+
+@pytest.mark.defaults
+def test_python_warnings_are_json_lines():
+    import subprocess
+    import sys
+
+    from tests.support.processes import ROOT, service_env
+
+    code = "import django, warnings; django.setup(); warnings.warn('careful', FutureWarning)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=service_env(DJANGO_SETTINGS_MODULE="pushsite.settings"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    [line] = done.stderr.splitlines()
+    event = json.loads(line)
+    assert (event["level"], event["logger"], event["event"]) == (
+        "WARNING",
+        "py.warnings",
+        "FutureWarning: careful",
+    )
+    assert event["where"] == "<string>:1"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runserver_serves_the_matrix_gateway_like_the_web_process():
+    """A developer's `manage.py runserver` serves the whole site: the Matrix push gateway too,
+    with the resource's own answers (not Django's 404)."""
+    messages.reset_limits()
+    web, url = start_dev_server()
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        discovery = _request(port, "GET", "/_matrix/push/v1/notify")
+        not_json = _request(port, "POST", "/_matrix/push/v1/notify")  # "hello"
+        not_allowed = _request(port, "PUT", "/_matrix/push/v1/notify")
+    finally:
+        web.stop()
+    assert _status(discovery) == 200 and "application/json" in discovery
+    assert _status(not_json) == 400 and _status(not_allowed) == 405
+    assert "Allow: GET, POST" in not_allowed

@@ -411,8 +411,18 @@ def test_no_channel_uri_secret_or_token_in_logs_or_results(fake, provider, caplo
 # --- Configuration ----------------------------------------------------------------------------
 
 
-def test_default_config_is_valid():
-    WnsConfig("ms-app://s-1-15-2-1-2-3", "secret").validate()
+def test_the_defaults_are_microsofts_endpoints_and_a_provider_takes_them():
+    config = WnsConfig("ms-app://s-1-15-2-1-2-3", "secret")
+    assert (config.token_url, config.channel_hosts) == (
+        "https://login.live.com/accesstoken.srf",
+        ("*.notify.windows.com",),
+    )
+    provider = WnsProvider(config, timeout=1)  # validates the configuration
+    try:
+        assert provider.service == "wns"
+        assert channel_uri_allowed("https://db5p.notify.windows.com/?token=x", config.channel_hosts)
+    finally:
+        provider.close()
 
 
 @pytest.mark.parametrize(
@@ -445,9 +455,17 @@ def test_invalid_config_is_refused_clearly(fields, message):
         WnsProvider(WnsConfig(**values), timeout=1)
 
 
-def test_loopback_token_url_is_allowed_over_http():
-    WnsConfig("ms-app://s-1", "x", "http://127.0.0.1:9/accesstoken.srf").validate()
-    WnsConfig("ms-app://s-1", "x", "http://localhost:9/accesstoken.srf").validate()
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_loopback_token_url_is_allowed_over_http(make_provider, fake, host):
+    """Plain http for the token only on loopback (a local fake or proxy): the provider takes
+    its token there and delivers."""
+    token_url = fake.token_url.replace("127.0.0.1", host)
+    assert token_url.startswith(f"http://{host}:")
+    provider = make_provider(token_url=token_url)
+    assert provider.send(wakeup(fake)).outcome == Outcome.DELIVERED
+    assert len(fake.issued_tokens) == 1
+    with pytest.raises(ValueError, match="token URL"):
+        WnsConfig(fake.client_id, "x", token_url.replace(host, "relay.example")).validate()
 
 
 def test_config_repr_hides_the_secret():

@@ -26,6 +26,7 @@ from relay.admin.base import (
     link_badge,
     pushes_since,
 )
+from relay.forms import HttpsURLField
 from relay.models import (
     Component,
 )
@@ -62,6 +63,7 @@ class ComponentForm(forms.ModelForm):
             "unifiedpush_endpoint_url",
             "unifiedpush_token_lifetime_days",
         )
+        field_classes = {"unifiedpush_endpoint_url": HttpsURLField}
 
     def clean_new_secret(self) -> str:
         secret = self.cleaned_data.get("new_secret") or ""

@@ -50,7 +50,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import threading
 import urllib.request
 import uuid
@@ -254,19 +253,15 @@ def classify_auth_error(error: google.auth.exceptions.GoogleAuthError) -> SendRe
     return SendResult(Outcome.FAILED, "OAUTH_ERROR")
 
 
-def _connections(url: str) -> urllib3.PoolManager:
+def _connections(url: str, ca_bundle: str = "") -> urllib3.PoolManager:
     """The pool `url`'s sends go through, with what requests would take from the environment
-    for it (the proxy, unless NO_PROXY names the host; the CA bundle), read once."""
+    for it: the proxy (unless NO_PROXY names the host), read once; the CA bundle, `ca_bundle`
+    (the services pass REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE) or certifi's."""
     parts = urlsplit(url)
-    ca_bundle = (
-        os.environ.get("REQUESTS_CA_BUNDLE")
-        or os.environ.get("CURL_CA_BUNDLE")
-        or requests.certs.where()
-    )
     options: dict[str, Any] = {
         "maxsize": POOL_CONNECTIONS,
         "cert_reqs": "CERT_REQUIRED",
-        "ca_certs": ca_bundle,
+        "ca_certs": ca_bundle or requests.certs.where(),
     }
     proxy = urllib.request.getproxies().get(parts.scheme)
     if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
@@ -288,7 +283,12 @@ class FcmProvider:
     service: ClassVar[str] = "fcm"
 
     def __init__(
-        self, config: FcmConfig, *, timeout: float | None = None, payload: FcmPayload | None = None
+        self,
+        config: FcmConfig,
+        *,
+        timeout: float | None = None,
+        payload: FcmPayload | None = None,
+        ca_bundle: str = "",
     ) -> None:
         self.config = config
         self.payload = payload or DEFAULT_PAYLOAD
@@ -298,9 +298,11 @@ class FcmProvider:
         self._pool: ThreadPoolExecutor | None = None
         self._token_lock = threading.Lock()
         self._close_lock = threading.Lock()
-        self._http = _connections(self.send_url)
+        self._http = _connections(self.send_url, ca_bundle)
         self._request_timeout = urllib3.Timeout(connect=self.timeout, read=self.timeout)
         self._token_session = requests.Session()
+        if ca_bundle:
+            self._token_session.verify = ca_bundle
         self._token_request = functools.partial(
             GoogleAuthRequest(self._token_session), timeout=self.timeout
         )

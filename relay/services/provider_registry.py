@@ -71,10 +71,15 @@ def _build_fcm(app: App) -> PushProvider:
     from relay.providers.fcm import FcmProvider
 
     payload = _payload("FCM", payloads.fcm_payload, app)
+    current = conf.current()
+    # The provider is Django-free: the CA bundle's settings reach it from here.
+    ca_bundle = current.requests_ca_bundle or current.curl_ca_bundle
     return _configured(
         app,
         "FCM",
-        lambda: FcmProvider(configs.fcm_config(app=app), timeout=_timeout(), payload=payload),
+        lambda: FcmProvider(
+            configs.fcm_config(app=app), timeout=_timeout(), payload=payload, ca_bundle=ca_bundle
+        ),
     )
 
 

@@ -23,12 +23,20 @@ from relay.report_models import PublishTally, RegistrationEvent, RetentionCut
 
 log = logging.getLogger(__name__)
 
-# (model, its time field): what the retention applies to.
-PRUNED: tuple[tuple[type[models.Model], str], ...] = (
+# (model, its time field): what the retention applies to. The core's records, then those a
+# feature app registers (`register_pruned`, from its AppConfig.ready).
+PRUNED: list[tuple[type[models.Model], str]] = [
     (Delivery, "received"),
     (RegistrationEvent, "at"),
     (PublishTally, "minute"),
-)
+]
+
+
+def register_pruned(model: type[models.Model], field: str) -> None:
+    """A feature app's record, pruned like the core's (with its cut, so the reports made of
+    it survive): the core names no feature app, the app registers its records here."""
+    if (model, field) not in PRUNED:
+        PRUNED.append((model, field))
 
 
 @dataclass(frozen=True, slots=True)

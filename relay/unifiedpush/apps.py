@@ -12,10 +12,12 @@ class UnifiedPushConfig(AppConfig):
     gateway_feature = "relay.unifiedpush.gateway.relay.UnifiedPushRelay"
 
     def ready(self) -> None:
-        from relay.services import tenancy
+        from relay.services import retention, tenancy
         from relay.unifiedpush import checks  # noqa: F401 -- registers the system checks
         from relay.unifiedpush.models import UnifiedPushDelivery
 
         tenancy.register_tenant_owned(
             UnifiedPushDelivery, "tenant", staff_permissions=["view_unifiedpushdelivery"]
         )
+        # Its delivery records are a source of the reports: RELAY_RETENTION_DAYS prunes them.
+        retention.register_pruned(UnifiedPushDelivery, "received")

@@ -7,9 +7,11 @@ slow, an error) does the gateway store it, exactly as the web process would have
 the POST is answered. Either way a `201` is only ever sent for a message that was delivered
 or stored, and the gateway refuses the direct path whenever it could reorder a phone's
 messages (it has stored ones, or might) or does not hold the link: then the web process
-stores the message itself, the way every message went before.
+stores the message itself.
 
-Wire format, one line each way over a TCP connection the web process keeps (per thread):
+Wire format, one line each way over a TCP connection the web process keeps: one per gateway
+on its event loop (`AsyncChannels`), one per gateway and thread for a caller without a loop
+(`hand_over`):
 
     request:  <n> <tenant> <component> <endpoint key> <recipient key> <topic key or -> <urgency>
               <received µs> <expires µs> <endpoint expires µs> <size> <ttl> <sealed, base64>
@@ -259,7 +261,7 @@ class _AsyncClient(asyncio.Protocol):
 
 class AsyncChannels:
     """The direct path for a web process that runs an event loop (pushsite/server.py):
-    one connection per gateway for all its POSTs, instead of one per thread."""
+    one connection per gateway, shared by all its POSTs."""
 
     def __init__(self, *, window: float) -> None:
         self._timeout = window + ANSWER_SLACK_SECONDS
