@@ -23,12 +23,19 @@ from relay.report_models import PublishTally, RegistrationEvent, RetentionCut
 
 log = logging.getLogger(__name__)
 
-# (model, its time field): what the retention applies to.
-PRUNED: tuple[tuple[type[models.Model], str], ...] = (
+# (model, its time field): what the retention applies to; feature apps add theirs.
+PRUNED: list[tuple[type[models.Model], str]] = [
     (Delivery, "received"),
     (RegistrationEvent, "at"),
     (PublishTally, "minute"),
-)
+]
+
+
+def register_pruned(model: type[models.Model], field: str) -> None:
+    """A feature app's record kept for RELAY_RETENTION_DAYS like the core's, declared in its
+    AppConfig.ready (`field`: its time)."""
+    if (model, field) not in PRUNED:
+        PRUNED.append((model, field))
 
 
 @dataclass(frozen=True, slots=True)
