@@ -7,7 +7,6 @@ middleware lets them through); the security page does not.
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -50,11 +49,11 @@ def _to_login(request: HttpRequest) -> HttpResponse:
 
 
 def _page(request: HttpRequest, template: str, title: str, **context: Any) -> TemplateResponse:
-    return TemplateResponse(
-        request,
-        f"operators/{template}",
-        {**admin.site.each_context(request), "title": title, **context},
-    )
+    site = admin.site.each_context(request)
+    if second_factor.is_required(request.user) and not second_factor.is_verified(request.user):
+        # Before the second step the admin shows nothing of itself, its menu included.
+        site.update(available_apps=[], is_nav_sidebar_enabled=False)
+    return TemplateResponse(request, f"operators/{template}", {**site, "title": title, **context})
 
 
 def _locked(request: HttpRequest) -> HttpResponse:
@@ -120,7 +119,6 @@ def enrol(request: HttpRequest) -> HttpResponse:
             return _recovery_page(request, codes, _next(request))
         error = "That code does not fit: check the phone's clock and try the next one."
     uri = second_factor.totp_uri(user, key)
-    qr = segno.make(uri, error="m").svg_inline(scale=4)
     return _page(
         request,
         "enrol.html",
@@ -130,7 +128,7 @@ def enrol(request: HttpRequest) -> HttpResponse:
         next=_next(request),
         secret=second_factor.secret_base32(key),
         uri=uri,
-        qr_src="data:image/svg+xml;base64," + base64.b64encode(qr.encode()).decode(),
+        qr_src=segno.make(uri, error="m").svg_data_uri(scale=4),
     )
 
 
