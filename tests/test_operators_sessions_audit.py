@@ -289,3 +289,16 @@ def test_the_trail_is_pruned_with_the_other_records():
     assert pruned["operators_auditentry"] == 1
     assert not AuditEntry.objects.filter(pk=old.pk).exists()
     assert AuditEntry.objects.filter(object_repr="kept").exists()
+
+
+@pytest.mark.django_db
+def test_a_failed_login_is_recorded_without_the_password():
+    make_operator()
+    answer = Client(REMOTE_ADDR="198.51.100.77").post(
+        reverse("admin:login"), {"username": "operator", "password": "guess-123456"}
+    )
+    assert answer.status_code == 200
+    entry = AuditEntry.objects.get(action="login_failed")
+    assert (entry.actor, entry.address, entry.user_id) == ("operator", "198.51.100.77", None)
+    assert entry.object_repr == "operator" and entry.detail == "wrong password"
+    assert "guess-123456" not in str(list(AuditEntry.objects.values()))
