@@ -97,10 +97,16 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "ninja",  # serves the API docs' assets itself (no CDN)
     "axes",  # admin login lockout (relay/services/login_throttle.py)
+    # The staff's second factor: TOTP devices and recovery codes (relay/operators).
+    "django_otp",
+    "django_otp.plugins.otp_totp",
+    "django_otp.plugins.otp_static",
     "relay",
     # Feature apps: each plugs into the core (tenancy, the gateway) from its AppConfig.
     "relay.unifiedpush",
     "relay.windows",
+    # Second factor, audit trail and session limits of the admin's staff.
+    "relay.operators",
     "xmppgateway",
 ]
 
@@ -111,6 +117,11 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # After authentication: the second step (django-otp), the audit's actor, session limits.
+    "django_otp.middleware.OTPMiddleware",
+    "relay.operators.middleware.AuditContextMiddleware",
+    "relay.operators.middleware.SessionLimitsMiddleware",
+    "relay.operators.middleware.SecondFactorMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "csp.middleware.CSPMiddleware",
@@ -218,12 +229,20 @@ AXES_LOCKOUT_CALLABLE = "relay.admin_site.locked_out"
 # A username and an address together: one address (a proxy's) never locks everyone out, and
 # guessing a known username from elsewhere never locks its owner out.
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
-AXES_RESET_ON_SUCCESS = True
+# A password alone does not clear failures: the login is complete, and axes' failures for it
+# are cleared, after the second step (relay/operators/services/second_factor.py), which
+# counts its own failures here too.
+AXES_RESET_ON_SUCCESS = False
+# Second-step codes are not kept in axes' record of a failure.
+AXES_SENSITIVE_PARAMETERS = ["code", "credential"]
 # A lockout lasts LOGIN_LOCKOUT_SECONDS from the failure that caused it, not from the last try.
 AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
 AXES_DISABLE_ACCESS_LOG = True  # the admin's history is the audit; no table of every login
 AXES_ENABLE_ADMIN = False
 AXES_VERBOSE = False
+
+# --- The second factor (relay/operators): the name authenticator apps show.
+OTP_TOTP_ISSUER = "Push relay"
 
 # --- Content-Security-Policy (django-csp): only this site's own scripts, styles and images.
 # Inline style *attributes* (the admin's widgets, our badges and charts) are allowed; inline

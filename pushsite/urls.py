@@ -5,6 +5,8 @@ from relay import views
 from relay.windows.api.views import api as api_v1
 
 urlpatterns = [
+    # The second step, enrolment and each staff member's security page (relay/operators).
+    path("admin/", include("relay.operators.urls")),
     path("admin/", admin.site.urls),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),

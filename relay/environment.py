@@ -412,6 +412,16 @@ class Environment(BaseSettings):
         group=Group.SECURITY,
     )
     session_cookie_age: int = var("SESSION_COOKIE_AGE", 8 * 3600, "", group=Group.SECURITY)
+    admin_idle_seconds: int = var(
+        "RELAY_ADMIN_IDLE_SECONDS",
+        1800,
+        "An admin session ends after this many seconds without a request, and after "
+        "RELAY_ADMIN_SESSION_MAX_SECONDS from its login whatever its use.",
+        group=Group.SECURITY,
+    )
+    admin_session_max_seconds: int = var(
+        "RELAY_ADMIN_SESSION_MAX_SECONDS", 8 * 3600, "", group=Group.SECURITY
+    )
     data_upload_max_memory_size: int = var(
         "DATA_UPLOAD_MAX_MEMORY_SIZE",
         64 * 1024,

@@ -19,6 +19,7 @@ from relay.models import App, Component, ComponentLink, Tenant
 from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     changeform_data,
+    login_verified,
 )
 from tests.support.processes import start_gateway
 from tests.support.waiting import wait_until
@@ -57,7 +58,7 @@ def link(component: Component) -> ComponentLink | None:
 @pytest.fixture
 def operator_client() -> Client:
     client = Client()
-    client.force_login(User.objects.create_superuser("operator", password="x" * 24))
+    login_verified(client, User.objects.create_superuser("operator", password="x" * 24))
     return client
 
 

@@ -31,6 +31,7 @@ from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,
     changeform_data,
+    login_verified,
     make_operator,
     make_tenant_staff,
 )
@@ -53,14 +54,14 @@ def worlds(db) -> tuple[TenantWorld, TenantWorld]:
 def alpha_client(worlds) -> Client:
     alpha, _ = worlds
     client = Client()
-    client.force_login(make_tenant_staff(alpha, "alpha-staff", every_permission=True))
+    login_verified(client, make_tenant_staff(alpha, "alpha-staff", every_permission=True))
     return client
 
 
 @pytest.fixture
 def operator_client(worlds) -> Client:
     client = Client()
-    client.force_login(make_operator())
+    login_verified(client, make_operator())
     return client
 
 
@@ -466,7 +467,7 @@ def test_a_staff_operator_in_the_operators_group_sees_every_tenant(worlds):
     user = User.objects.create_user("ops", password="x" * 20, is_staff=True)
     user.groups.add(Group.objects.get(name=tenancy.OPERATORS_GROUP))
     client = Client()
-    client.force_login(user)
+    login_verified(client, user)
     response = client.get(url(type(bravo.component), "change", bravo.component.pk))
     assert response.status_code == 200
     assert bravo.component.secret in text_of(response)  # the operator's snippet shows it
@@ -481,7 +482,7 @@ def test_anonymous_and_non_staff_get_nothing(worlds):
     for name in ("admin:health", "admin:usage"):
         assert "/login/" in Client().get(reverse(name)).url
     outsider = Client()
-    outsider.force_login(User.objects.create_user("outsider", password="x" * 20))
+    login_verified(outsider, User.objects.create_user("outsider", password="x" * 20))
     assert "/login/" in outsider.get(reverse("admin:index")).url
 
 

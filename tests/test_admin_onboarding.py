@@ -38,6 +38,7 @@ from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,
     changeform_data,
+    login_verified,
     make_operator,
     make_tenant_staff,
 )
@@ -63,7 +64,7 @@ def operator(db):
 @pytest.fixture
 def client(operator) -> Client:
     client = Client()
-    client.force_login(operator)
+    login_verified(client, operator)
     return client
 
 
@@ -203,7 +204,7 @@ def test_tenant_staff_never_read_a_credential(client):
     world.binding.tenant = tenant  # bind that group to acme instead
     world.binding.save()
     staff_client = Client()
-    staff_client.force_login(staff)
+    login_verified(staff_client, staff)
     page = staff_client.get(reverse("admin:relay_component_change", args=[component.pk]))
     assert page.status_code == 200
     text = page.content.decode()
@@ -512,7 +513,7 @@ def test_the_operator_sees_the_gateways_and_which_holds_a_link_and_a_tenant_does
     world.binding.tenant = tenant
     world.binding.save()
     staff_client = Client()
-    staff_client.force_login(staff)
+    login_verified(staff_client, staff)
     for url in (changelist, change, health):
         page = staff_client.get(url)
         assert page.status_code == 200

@@ -21,6 +21,7 @@ from relay.report_models import (
 from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,
+    login_verified,
     make_operator,
     make_tenant_staff,
 )
@@ -106,7 +107,7 @@ def worlds(db):
 
 def page(user) -> str:
     client = Client()
-    client.force_login(user)
+    login_verified(client, user)
     response = client.get(reverse("admin:reports"))
     assert response.status_code == 200
     return response.content.decode()
@@ -146,8 +147,8 @@ def test_tenant_staff_see_only_their_tenant(worlds):
 def test_aggregate_tables_are_read_only_and_the_operators(worlds):
     alpha, _ = worlds
     operator, staff = Client(), Client()
-    operator.force_login(make_operator())
-    staff.force_login(make_tenant_staff(alpha, "alpha-staff", every_permission=True))
+    login_verified(operator, make_operator())
+    login_verified(staff, make_tenant_staff(alpha, "alpha-staff", every_permission=True))
     for model in (
         ReportUsage,
         ReportRegistrations,

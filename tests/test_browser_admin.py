@@ -23,6 +23,7 @@ from playwright.sync_api import Page, expect, sync_playwright
 from relay.models import ComponentLink, Delivery, Registration
 from tests.fakes.fcm import FakeFcm
 from tests.support.admin import admin_settings  # noqa: F401 -- fixture
+from tests.support.otp import totp
 from tests.support.ports import free_port
 from tests.support.processes import start_gateway, start_worker
 from tests.support.waiting import wait_until
@@ -104,6 +105,16 @@ def shot(page: Page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
+def enrol_authenticator(page: Page) -> None:
+    """After the password, a first login is taken to set up a second factor: an authenticator
+    app, whose codes the test computes from the key the page shows (tests/support/otp.py)."""
+    expect(page.locator("#totp-secret")).to_be_visible()
+    page.fill("#id_code", totp(page.locator("#totp-secret").inner_text().strip()))
+    page.click("#enrol-form input[type=submit]")
+    expect(page.locator("#recovery-codes code")).to_have_count(10)
+    page.click("#recovery-done")
+
+
 def test_operator_onboards_a_tenant_and_sends_a_test_push(
     live_server, browser_page, services, fake_fcm, xmpp_server_factory, xmpp_client_factory
 ):
@@ -118,6 +129,7 @@ def test_operator_onboards_a_tenant_and_sends_a_test_push(
     page.fill("#id_password", PASSWORD)
     shot(page, "01-login")
     page.click("input[type=submit]")
+    enrol_authenticator(page)
     expect(page.get_by_role("link", name="Onboard a tenant")).to_be_visible()
     shot(page, "02-home")
 
@@ -223,6 +235,7 @@ def test_tenant_staff_see_their_tenant_only(live_server, browser_page):
     page.fill("#id_username", "alpha-admin")
     page.fill("#id_password", PASSWORD)
     page.click("input[type=submit]")
+    enrol_authenticator(page)
     expect(page.locator("#user-tools")).to_contain_text("alpha-admin")
     shot(page, "12-tenant-staff-home")
     page.goto(live_server.url + "/admin/relay/component/")

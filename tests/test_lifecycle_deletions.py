@@ -24,6 +24,7 @@ from relay import tasks
 from relay.models import App, Component, Registration, Service, Tenant
 from relay.report_models import RegistrationEvent
 from relay.services import lifecycle
+from tests.support.admin import login_verified
 
 pytestmark = pytest.mark.django_db
 
@@ -78,14 +79,14 @@ def active(registration: Registration, day: date) -> int:
 
 def by_admin(registration: Registration) -> None:
     client = Client()
-    client.force_login(User.objects.create_superuser(f"op{registration.pk}", password="x" * 24))
+    login_verified(client, User.objects.create_superuser(f"op{registration.pk}", password="x" * 24))
     url = reverse("admin:relay_registration_delete", args=[registration.pk])
     assert client.post(url, {"post": "yes"}).status_code == 302
 
 
 def by_admin_action(registration: Registration) -> None:
     client = Client()
-    client.force_login(User.objects.create_superuser(f"op{registration.pk}", password="x" * 24))
+    login_verified(client, User.objects.create_superuser(f"op{registration.pk}", password="x" * 24))
     answer = client.post(
         reverse("admin:relay_registration_changelist"),
         {"action": "delete_selected", "_selected_action": [registration.pk], "post": "yes"},

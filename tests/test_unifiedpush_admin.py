@@ -12,6 +12,7 @@ from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,
     changeform_data,
+    login_verified,
     make_operator,
     make_tenant_staff,
 )
@@ -26,7 +27,7 @@ pytestmark = [
 @pytest.fixture
 def operator_client(db) -> Client:
     client = Client()
-    client.force_login(make_operator())
+    login_verified(client, make_operator())
     return client
 
 
@@ -89,7 +90,7 @@ def test_tenant_staff_change_the_lifetime_but_not_the_public_url(db):
     other = build_tenant("other")
     staff = make_tenant_staff(world, "staffer", every_permission=True)
     client = Client()
-    client.force_login(staff)
+    login_verified(client, staff)
     url = reverse("admin:relay_component_change", args=[world.component.pk])
     response = post_form(
         client,
@@ -126,7 +127,7 @@ def test_unifiedpush_deliveries_are_listed_per_tenant_read_only(operator_client)
         )
     staff = make_tenant_staff(mine, "mine-staff", every_permission=False)
     client = Client()
-    client.force_login(staff)
+    login_verified(client, staff)
     url = reverse("admin:unifiedpush_unifiedpushdelivery_changelist")
     page = client.get(url)
     assert page.status_code == 200

@@ -25,6 +25,7 @@ from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,
     changeform_data,
+    login_verified,
     make_operator,
     make_tenant_staff,
 )
@@ -65,7 +66,7 @@ def _add_component(client: Client, url: str):
 )
 def test_the_admin_stores_the_ascii_form(typed, stored):
     client = Client()
-    client.force_login(make_operator())
+    login_verified(client, make_operator())
     response = _add_component(client, typed)
     assert response.status_code == 302, response.context["adminform"].form.errors
     assert Component.objects.get(jid="up.acme.example").unifiedpush_endpoint_url == stored
@@ -82,7 +83,7 @@ def test_the_admin_stores_the_ascii_form(typed, stored):
 )
 def test_the_admin_refuses_what_cannot_be_ascii_with_a_clear_error(url, error):
     client = Client()
-    client.force_login(make_operator())
+    login_verified(client, make_operator())
     response = _add_component(client, url)
     assert response.status_code == 200
     assert error in str(response.context["adminform"].form.errors["unifiedpush_endpoint_url"])
@@ -109,7 +110,7 @@ def test_tenant_staff_can_save_a_component_whose_old_url_is_invalid():
     world = build_tenant("staffed")
     Component.objects.filter(pk=world.component.pk).update(unifiedpush_endpoint_url="not a url")
     client = Client()
-    client.force_login(make_tenant_staff(world, "staffer", every_permission=True))
+    login_verified(client, make_tenant_staff(world, "staffer", every_permission=True))
     url = reverse("admin:relay_component_change", args=[world.component.pk])
     response = client.post(url, changeform_data(client.get(url), unifiedpush_token_lifetime_days=3))
     assert response.status_code == 302

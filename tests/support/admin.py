@@ -31,6 +31,7 @@ from relay.models import (
     Tenant,
     TenantStaffGroup,
 )
+from relay.operators.models import AuditAction, AuditEntry, TenantSecurityPolicy
 from relay.services import tenancy
 from relay.services.queue import SendJob
 from relay.unifiedpush.models import UnifiedPushDelivery
@@ -134,6 +135,16 @@ def build_tenant(marker: str) -> TenantWorld:
     )
     group = tenancy.create_staff_group(tenant=tenant, name=f"{marker} staff")
     binding = TenantStaffGroup.objects.get(group=group)
+    audit_entry = AuditEntry.objects.create(
+        at=now,
+        actor=f"{marker}-actor",
+        action=AuditAction.CHANGED,
+        object_type="relay.tenant",
+        object_id=str(tenant.pk),
+        object_repr=f"{marker} tenant",
+        tenant=tenant,
+    )
+    policy = TenantSecurityPolicy.objects.create(tenant=tenant, second_factor_required=True)
     world = TenantWorld(
         marker=marker,
         tenant=tenant,
@@ -148,7 +159,7 @@ def build_tenant(marker: str) -> TenantWorld:
     )
     for obj in (
         tenant, app, component, link, registration, delivery, dead_letter, binding,
-        unifiedpush_delivery,
+        unifiedpush_delivery, audit_entry, policy,
     ):  # fmt: skip
         world.objects.setdefault(type(obj), []).append(obj)
     return world
@@ -166,6 +177,20 @@ def make_tenant_staff(world: TenantWorld, username: str, *, every_permission: bo
 
 def make_operator(username: str = "operator") -> User:
     return User.objects.create_superuser(username, password=STRONG_PASSWORD)
+
+
+def login_verified(client: Any, user: User) -> None:
+    """`client.force_login(user)` past the second step too: the user gets a recovery-code
+    device (made before the login, as adding a device ends the user's other sessions) and
+    the session is marked verified by it, as django-otp's own login does."""
+    from django_otp import DEVICE_ID_SESSION_KEY
+    from django_otp.plugins.otp_static.models import StaticDevice
+
+    device, _ = StaticDevice.objects.get_or_create(user=user, name="test login")
+    client.force_login(user)
+    session = client.session
+    session[DEVICE_ID_SESSION_KEY] = device.persistent_id
+    session.save()
 
 
 @pytest.fixture

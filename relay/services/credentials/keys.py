@@ -13,6 +13,7 @@ from cryptography.fernet import Fernet, InvalidToken
 from django.apps import apps as django_apps
 from django.db import models
 from django.db.models.functions import Cast
+from django.dispatch import Signal
 
 from relay import conf, crypto
 from relay.crypto import CredentialKeyError, EncryptedTextField
@@ -80,6 +81,11 @@ def credential_key_status() -> KeyStatus:
     return KeyStatus(stored=stored, unreadable=unreadable, rotation_pending=pending)
 
 
+# Sent for each row whose credentials `rotate_credentials` re-encrypted (a bulk update, which
+# model signals do not see): sender the model, `pk`, `fields` the names. The audit listens.
+credentials_rotated = Signal()
+
+
 def rotate_credentials() -> int:
     """Re-encrypt every stored credential with the current (first) key; returns how many.
 
@@ -92,6 +98,7 @@ def rotate_credentials() -> int:
     for model, names in _encrypted_fields():
         for row in _raw_rows(model, names):
             pk = row[0]
+            done: list[str] = []
             for name, raw in zip(names, row[1:], strict=True):
                 if not raw or not crypto.needs_rotation(raw):
                     continue
@@ -103,11 +110,16 @@ def rotate_credentials() -> int:
                         extra={"model": model._meta.label, "pk": pk, "field": name},
                     )
                     continue
-                rotated += (
+                updated = (
                     model._base_manager.filter(pk=pk)
                     .alias(current=_raw(name))
                     .filter(current=raw)
                     .update(**{name: crypto.encrypt(plain)})
                 )
+                rotated += updated
+                if updated:
+                    done.append(name)
+            if done:
+                credentials_rotated.send(sender=model, pk=pk, fields=done)
     log.info("credentials.rotated", extra={"count": rotated})
     return rotated
