@@ -259,7 +259,7 @@ class Registration(models.Model):
     component = models.ForeignKey(Component, on_delete=models.CASCADE, related_name="registrations")
     service = models.CharField(max_length=8, choices=Service.choices)
     wns_device = models.ForeignKey(
-        "WnsDevice",
+        "windows.WnsDevice",
         on_delete=models.CASCADE,
         null=True,
         blank=True,
@@ -303,30 +303,6 @@ class Registration(models.Model):
 
     def __str__(self) -> str:
         return f"{self.service}:{self.node}@{self.component_id}"
-
-
-class WnsDevice(models.Model):
-    """A Windows (UWPX-style) device registered over the HTTP API; its accounts are registrations.
-
-    The device id is the client's only capability, so only its SHA-256 is stored.
-    """
-
-    app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="wns_devices")
-    device_id_hash = models.CharField(max_length=64)
-    channel_uri = models.TextField()
-    created = models.DateTimeField(auto_now_add=True)
-    updated = models.DateTimeField(auto_now=True, help_text="Last time the client updated it.")
-
-    class Meta:
-        constraints = [
-            models.UniqueConstraint(
-                fields=["app", "device_id_hash"], name="wnsdevice_unique_device_per_app"
-            )
-        ]
-        indexes = [models.Index(fields=["updated"])]
-
-    def __str__(self) -> str:
-        return f"WNS device {self.device_id_hash[:12]}"
 
 
 class Priority(models.TextChoices):
