@@ -70,3 +70,55 @@ def test_windows_devices_move_to_their_app_with_their_rows_and_registrations(bac
     # The foreign keys still hold: removing the device removes its accounts' registrations.
     moved.delete()
     assert not Registration.objects.exists()
+
+
+BEFORE_UNIFIEDPUSH_SETTINGS = [
+    ("relay", "0015_component_serves_something_leaves_the_database"),
+    ("unifiedpush", "0001_initial"),
+]
+
+
+def test_unifiedpush_settings_move_to_their_app_and_back(back_to):
+    old = back_to(BEFORE_UNIFIEDPUSH_SETTINGS)
+    tenant = old.get_model("relay", "Tenant").objects.create(name="acme")
+    app = old.get_model("relay", "App").objects.create(tenant=tenant, name="conversations")
+    components = old.get_model("relay", "Component").objects
+    up = components.create(
+        tenant=tenant, jid="up.acme.example", secret="x",
+        unifiedpush_endpoint_url="https://push.acme.example", unifiedpush_token_lifetime_days=14,
+    )  # fmt: skip
+    both = components.create(
+        tenant=tenant, app=app, jid="both.acme.example", secret="x",
+        unifiedpush_endpoint_url="https://push.acme.example/relay/",
+    )  # fmt: skip
+    p2 = components.create(tenant=tenant, app=app, jid="p2.acme.example", secret="x")
+
+    _forwards()
+
+    from relay.models import Component
+    from relay.unifiedpush.models import ComponentSettings, serves
+
+    rows = {
+        row.component_id: (row.endpoint_url, row.token_lifetime_days)
+        for row in ComponentSettings.objects.all()
+    }
+    assert rows == {
+        up.pk: ("https://push.acme.example", 14),
+        both.pk: ("https://push.acme.example/relay/", 7),
+    }
+    assert not serves(Component.objects.get(pk=p2.pk))  # no row: today's default, none
+    assert {f.name for f in Component._meta.get_fields()}.isdisjoint(
+        {"unifiedpush_endpoint_url", "unifiedpush_token_lifetime_days"}
+    )
+
+    # Undone, the values are the component's columns again.
+    old = _migrate(BEFORE_UNIFIEDPUSH_SETTINGS)
+    back = {
+        c.pk: (c.unifiedpush_endpoint_url, c.unifiedpush_token_lifetime_days)
+        for c in old.get_model("relay", "Component").objects.all()
+    }
+    assert back == {
+        up.pk: ("https://push.acme.example", 14),
+        both.pk: ("https://push.acme.example/relay/", 7),
+        p2.pk: ("", 7),
+    }

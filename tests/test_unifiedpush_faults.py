@@ -20,11 +20,12 @@ from tests.support.waiting import wait_until
 SETUP = """
 import base64, os, time
 from relay.models import Component, Tenant
+from relay.unifiedpush.models import ComponentSettings
 from relay.unifiedpush.services import registration
 tenant = Tenant.objects.create(name="faults")
 component = Component.objects.create(tenant=tenant, jid="up.localhost", secret="s3cr3t",
-    host="127.0.0.1", port=int(os.environ["COMPONENT_PORT"]),
-    unifiedpush_endpoint_url=os.environ["WEB_URL"])
+    host="127.0.0.1", port=int(os.environ["COMPONENT_PORT"]))
+ComponentSettings.objects.create(component=component, endpoint_url=os.environ["WEB_URL"])
 print(registration.register(component_id=component.pk, jid="juliet@localhost/phone",
     domain="localhost", has_resource=True,
     application=base64.b64encode(os.urandom(32)).decode(),
