@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import percentiles, prepare_database, wait_http, write_results  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
+from tests.support.unifiedpush_components import serving_unifiedpush  # noqa: E402
 from tests.support.xmpp_servers import ProsodyServer  # noqa: E402
 
 BENCH_DB = os.environ.get("UNIFIEDPUSH_BENCH_DB", "unifiedpush_bench")
@@ -473,7 +474,7 @@ def main() -> None:
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
-    from relay.models import Component, ComponentLink, Tenant
+    from relay.models import ComponentLink, Tenant
     from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
 
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"up-bench-{os.getpid()}"
@@ -494,13 +495,13 @@ def main() -> None:
         },
     )
     tenant = Tenant.objects.create(name="bench")
-    component = Component.objects.create(
+    component = serving_unifiedpush(
         tenant=tenant,
         jid=OURS,
         secret=SECRET,
         host="127.0.0.1",
         port=prosody.component_port,
-        unifiedpush_endpoint_url=f"http://127.0.0.1:{web_port}",
+        endpoint_url=f"http://127.0.0.1:{web_port}",
     )
     gateway = subprocess.Popen(
         [sys.executable, "manage.py", "run_gateway"],

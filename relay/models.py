@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from collections.abc import Collection
 
-from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
 
-from relay import endpoint_urls
 from relay.crypto import EncryptedTextField
 from relay.providers.base import Outcome
 
@@ -132,70 +129,26 @@ class Component(models.Model):
         null=True,
         blank=True,
         help_text="The app whose devices register here with the p2 commands (FCM, APNs, WNS); "
-        "empty for a component that only serves UnifiedPush.",
+        "empty for a component that serves only what a feature adds (see below).",
     )
     jid = models.CharField(max_length=255, unique=True, help_text="The component's JID.")
     secret = models.CharField(max_length=255, help_text="The XEP-0114 shared secret.")
     host = models.CharField(max_length=255, default="127.0.0.1")
     port = models.PositiveIntegerField(default=5347)
     enabled = models.BooleanField(default=True)
-    unifiedpush_endpoint_url = models.URLField(
-        "UnifiedPush endpoint URL",
-        blank=True,
-        help_text="Public base URL of this relay's web process (or its reverse proxy), e.g. "
-        "https://push.example.org; endpoints are built on it. Empty: no UnifiedPush here.",
-    )
-    unifiedpush_token_lifetime_days = models.PositiveSmallIntegerField(
-        "UnifiedPush endpoint lifetime (days)",
-        default=7,
-        help_text="Conversations renews an endpoint when less than a day is left.",
-    )
     created = models.DateTimeField(auto_now_add=True)
     updated = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["jid"]
-        constraints = [
-            models.CheckConstraint(
-                condition=Q(app__isnull=False) | ~Q(unifiedpush_endpoint_url=""),
-                name="component_serves_something",
-            ),
-            models.CheckConstraint(
-                condition=Q(unifiedpush_token_lifetime_days__gte=1),
-                name="component_unifiedpush_lifetime_positive",
-            ),
-        ]
 
     def __str__(self) -> str:
         return self.jid
-
-    def clean_fields(self, exclude: Collection[str] | None = None) -> None:
-        """The UnifiedPush endpoint URL in ASCII (an IDN host in IDNA), or a clear error:
-        it goes into headers (relay.endpoint_urls)."""
-        errors: dict[str, list[ValidationError]] = {}
-        try:
-            super().clean_fields(exclude)
-        except ValidationError as error:
-            errors = error.error_dict
-        name = "unifiedpush_endpoint_url"
-        if self.unifiedpush_endpoint_url and name not in errors and name not in (exclude or ()):
-            try:
-                self.unifiedpush_endpoint_url = endpoint_urls.normalized(
-                    self.unifiedpush_endpoint_url
-                )
-            except ValidationError as error:
-                errors[name] = error.error_list
-        if errors:
-            raise ValidationError(errors)
 
     @property
     def serves_p2(self) -> bool:
         """The p2 commands and XEP-0357 publishes need an app to send through."""
         return self.app_id is not None
-
-    @property
-    def serves_unifiedpush(self) -> bool:
-        return bool(self.unifiedpush_endpoint_url)
 
 
 class LinkState(models.TextChoices):
@@ -259,7 +212,7 @@ class Registration(models.Model):
     component = models.ForeignKey(Component, on_delete=models.CASCADE, related_name="registrations")
     service = models.CharField(max_length=8, choices=Service.choices)
     wns_device = models.ForeignKey(
-        "WnsDevice",
+        "windows.WnsDevice",
         on_delete=models.CASCADE,
         null=True,
         blank=True,
@@ -303,30 +256,6 @@ class Registration(models.Model):
 
     def __str__(self) -> str:
         return f"{self.service}:{self.node}@{self.component_id}"
-
-
-class WnsDevice(models.Model):
-    """A Windows (UWPX-style) device registered over the HTTP API; its accounts are registrations.
-
-    The device id is the client's only capability, so only its SHA-256 is stored.
-    """
-
-    app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="wns_devices")
-    device_id_hash = models.CharField(max_length=64)
-    channel_uri = models.TextField()
-    created = models.DateTimeField(auto_now_add=True)
-    updated = models.DateTimeField(auto_now=True, help_text="Last time the client updated it.")
-
-    class Meta:
-        constraints = [
-            models.UniqueConstraint(
-                fields=["app", "device_id_hash"], name="wnsdevice_unique_device_per_app"
-            )
-        ]
-        indexes = [models.Index(fields=["updated"])]
-
-    def __str__(self) -> str:
-        return f"WNS device {self.device_id_hash[:12]}"
 
 
 class Priority(models.TextChoices):

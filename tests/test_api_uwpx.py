@@ -14,9 +14,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from relay.models import App, Component, Registration, Service, Tenant, WnsDevice
+from relay.models import App, Component, Registration, Service, Tenant
 from relay.services.publishing import Publish, Verdict, accept_publish
 from relay.windows import services as uwpx
+from relay.windows.models import WnsDevice
 from tests.support.processes import ROOT
 from tests.uwpx_examples import (
     SEED_ERROR,

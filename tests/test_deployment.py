@@ -516,11 +516,12 @@ def test_tenants_example_is_a_complete_document_load_tenants_accepts(tmp_path):
 
     out = io.StringIO()
     call_command("load_tenants", str(example), "--dry-run", stdout=out)
-    assert out.getvalue().splitlines()[:5] == [
+    assert out.getvalue().splitlines()[:6] == [
         "tenant example: created",
         "app example/conversations: created",
         "app example/uwpx: created",
         "component push.example.org: created",
+        "UnifiedPush push.example.org: created",
         "component push.uwpx.example.org: created",
     ]
     assert not Tenant.objects.exists()
@@ -528,7 +529,9 @@ def test_tenants_example_is_a_complete_document_load_tenants_accepts(tmp_path):
     app = App.objects.get(name="conversations")
     assert app.fcm_service_account and app.apns_key and app.apns_topic == "eu.siacs.conversations"
     assert App.objects.get(name="uwpx").wns_secret == "the-wns-client-secret"
-    assert Component.objects.get(jid="push.example.org").host == "xmpp.example.org"
+    component = Component.objects.get(jid="push.example.org")
+    assert component.host == "xmpp.example.org"
+    assert component.unifiedpush_settings.endpoint_url == "https://push.example.org"
 
 
 # --- the units' command lines, run -----------------------------------------------------------

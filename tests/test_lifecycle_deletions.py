@@ -25,6 +25,7 @@ from relay.models import App, Component, Registration, Service, Tenant
 from relay.report_models import RegistrationEvent
 from relay.services import lifecycle
 from tests.support.admin import login_verified
+from tests.support.unifiedpush_components import serving_unifiedpush
 
 pytestmark = pytest.mark.django_db
 
@@ -38,14 +39,11 @@ def make_registration(*, app_free: bool = False, dead: bool = False) -> Registra
     n = next(_numbers)
     tenant = Tenant.objects.create(name=f"tenant-{n}")
     app = App.objects.create(tenant=tenant, name=f"app-{n}")
-    component = Component.objects.create(
-        tenant=tenant,
-        app=None if app_free else app,
-        # A component without an app serves UnifiedPush.
-        unifiedpush_endpoint_url=f"https://up{n}.example" if app_free else "",
-        jid=f"push{n}.localhost",
-        secret="s3cr3t",
-    )
+    fields = {"tenant": tenant, "jid": f"push{n}.localhost", "secret": "s3cr3t"}
+    if app_free:  # a component without an app serves UnifiedPush
+        component = serving_unifiedpush(endpoint_url=f"https://up{n}.example", **fields)
+    else:
+        component = Component.objects.create(app=app, **fields)
     registration = Registration.objects.create(
         app=app,
         component=component,

@@ -19,7 +19,6 @@ from relay.models import (
     Registration,
     Service,
     Tenant,
-    WnsDevice,
 )
 from relay.services import throttling
 from relay.services.registrations import (
@@ -30,6 +29,7 @@ from relay.services.registrations import (
     remove_unused_registrations,
     unregister_device,
 )
+from relay.windows.models import WnsDevice
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 

@@ -8,6 +8,7 @@ from django.test import Client
 from django.urls import reverse
 
 from relay.models import Component, Tenant
+from relay.unifiedpush.models import ComponentSettings, serves
 from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,
@@ -16,6 +17,9 @@ from tests.support.admin import (
     make_operator,
     make_tenant_staff,
 )
+
+# The UnifiedPush inline's fields on the component's page.
+URL, DAYS = "unifiedpush_settings-0-endpoint_url", "unifiedpush_settings-0-token_lifetime_days"
 
 pytestmark = [
     pytest.mark.defaults,
@@ -45,13 +49,12 @@ def test_an_operator_adds_a_unifiedpush_only_component_and_gets_its_snippet(oper
         add,
         jid="up.acme.example",
         host="xmpp.acme.example",
-        unifiedpush_endpoint_url="https://push.acme.example",
-        unifiedpush_token_lifetime_days="10",
+        **{URL: "https://push.acme.example", DAYS: "10"},
     )
     assert response.status_code == 302, response.context["adminform"].form.errors
     component = Component.objects.get(jid="up.acme.example")
-    assert component.app is None and component.serves_unifiedpush
-    assert component.unifiedpush_token_lifetime_days == 10
+    assert component.app is None and serves(component)
+    assert component.unifiedpush_settings.token_lifetime_days == 10
     page = operator_client.get(response.url).content.decode()
     assert "https://push.acme.example/push/&lt;token&gt; (valid 10 days" in page
     assert "location /push/ { proxy_pass" in page
@@ -62,7 +65,7 @@ def test_an_operator_adds_a_unifiedpush_only_component_and_gets_its_snippet(oper
 @pytest.mark.parametrize(
     "url, error",
     [
-        ("", "Choose an app (the p2 commands), enter a UnifiedPush endpoint URL, or both."),
+        ("", "Choose an app (the p2 commands), set up UnifiedPush, or both."),
         ("https://push.acme.example/?x=1", "Give a base URL without user, query or fragment."),
         ("not a url", "Enter a valid URL."),
     ],
@@ -70,7 +73,7 @@ def test_an_operator_adds_a_unifiedpush_only_component_and_gets_its_snippet(oper
 def test_a_component_must_serve_something_with_a_valid_url(operator_client, url, error):
     tenant = Tenant.objects.create(name="acme")
     add = reverse("admin:relay_component_add") + f"?tenant={tenant.pk}"
-    response = post_form(operator_client, add, jid="up.acme.example", unifiedpush_endpoint_url=url)
+    response = post_form(operator_client, add, jid="up.acme.example", **{URL: url})
     assert response.status_code == 200
     assert error in response.content.decode()
     assert not Component.objects.exists()
@@ -84,8 +87,8 @@ def test_a_p2_component_shows_no_unifiedpush_snippet(operator_client):
 
 def test_tenant_staff_change_the_lifetime_but_not_the_public_url(db):
     world = build_tenant("staffed")
-    Component.objects.filter(pk=world.component.pk).update(
-        unifiedpush_endpoint_url="https://push.operator.example"
+    ComponentSettings.objects.create(
+        component=world.component, endpoint_url="https://push.operator.example"
     )
     other = build_tenant("other")
     staff = make_tenant_staff(world, "staffer", every_permission=True)
@@ -95,13 +98,12 @@ def test_tenant_staff_change_the_lifetime_but_not_the_public_url(db):
     response = post_form(
         client,
         url,
-        unifiedpush_token_lifetime_days="3",
-        unifiedpush_endpoint_url="https://evil.example",
+        **{DAYS: "3", URL: "https://evil.example"},
     )
     assert response.status_code == 302
-    component = Component.objects.get(pk=world.component.pk)
-    assert component.unifiedpush_token_lifetime_days == 3
-    assert component.unifiedpush_endpoint_url == "https://push.operator.example"
+    settings = ComponentSettings.objects.get(component=world.component)
+    assert settings.token_lifetime_days == 3
+    assert settings.endpoint_url == "https://push.operator.example"
     foreign = reverse("admin:relay_component_change", args=[other.component.pk])
     assert client.get(foreign).status_code in (302, 404)
 

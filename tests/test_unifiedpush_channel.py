@@ -14,12 +14,13 @@ import pytest
 from django.core import checks
 from django.test import override_settings
 
-from relay.models import Component, Tenant
+from relay.models import Tenant
 from relay.services import link_leases
 from relay.unifiedpush.gateway.channel import ChannelServer
 from relay.unifiedpush.services import channel
 from relay.unifiedpush.services.store import NewMessage
 from tests.support.ports import free_port
+from tests.support.unifiedpush_components import serving_unifiedpush, set_endpoint_url
 
 
 def a_message(**changes: object) -> NewMessage:
@@ -190,13 +191,13 @@ def test_the_listener_hangs_up_on_garbage_without_offering_anything(listener):
 @pytest.mark.django_db
 def test_the_lease_holder_announces_its_channel_to_the_web_processes():
     tenant = Tenant.objects.create(name="t")
-    component = Component.objects.create(
+    component = serving_unifiedpush(
         tenant=tenant,
         jid="up.example.org",
         secret="s",
         host="127.0.0.1",
         port=5347,
-        unifiedpush_endpoint_url="https://push.example.org",
+        endpoint_url="https://push.example.org",
     )
     assert link_leases.channel_of(component.pk) == ""
     link_leases.lease_round(gateway="gw-1", ttl=30, channel="127.0.0.1:5290")
@@ -210,18 +211,18 @@ def test_an_event_loop_reads_a_stale_component_state_once_not_once_per_post():
     from relay.unifiedpush.services import messages
 
     tenant = Tenant.objects.create(name="t")
-    component = Component.objects.create(
+    component = serving_unifiedpush(
         tenant=tenant,
         jid="up.example.org",
         secret="s",
-        unifiedpush_endpoint_url="https://push.example.org",
+        endpoint_url="https://push.example.org",
     )
     cache = messages._PolicyCache()
     with pytest.raises(messages.ColdCache):
         cache.get(component.pk, cached_only=True)  # never read: the caller reads it in a thread
     assert cache.get(component.pk).endpoint_url == "https://push.example.org"
     assert cache.get(component.pk, cached_only=True).endpoint_url == "https://push.example.org"
-    Component.objects.filter(pk=component.pk).update(unifiedpush_endpoint_url="https://new.example")
+    set_endpoint_url(component, "https://new.example")
     expires, policy = cache._entries[component.pk]
     cache._entries[component.pk] = (expires - messages.POLICY_SECONDS - 0.1, policy)  # stale
     with pytest.raises(messages.ColdCache):

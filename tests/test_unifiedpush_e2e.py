@@ -22,11 +22,17 @@ from django.conf import settings
 from django.test import override_settings
 from pywebpush import webpush
 
-from relay.models import Component, ComponentLink, Tenant
-from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, UnifiedPushRevocation
+from relay.models import ComponentLink, Tenant
+from relay.unifiedpush.models import (
+    ComponentSettings,
+    UnifiedPushDelivery,
+    UnifiedPushMessage,
+    UnifiedPushRevocation,
+)
 from relay.unifiedpush.services import messages
 from relay.unifiedpush.services.keys import new_master_key
 from tests.support.processes import start_gateway, start_web
+from tests.support.unifiedpush_components import serving_unifiedpush, set_endpoint_url
 from tests.support.unifiedpush_phone import Phone
 from tests.support.waiting import holds_for, wait_until
 from tests.support.xmpp_client import new_username, register_account
@@ -112,13 +118,13 @@ def lab(xmpp_server_factory):
     server = xmpp_server_factory("prosody", components=[COMPONENT], hibernation_time=120)
     web, web_url = start_web()
     tenant = Tenant.objects.create(name="up", allowed_domains="localhost")
-    component = Component.objects.create(
+    component = serving_unifiedpush(
         tenant=tenant,
         jid=COMPONENT[0],
         secret=COMPONENT[1],
         host="127.0.0.1",
         port=server.component_port,
-        unifiedpush_endpoint_url=web_url,
+        endpoint_url=web_url,
     )
     lab = Lab(server, component, web_url)
     lab.web = web
@@ -299,14 +305,14 @@ def test_key_rotation_keeps_old_endpoints_until_the_old_key_goes(lab):
         lab.gateway.stop()
         lab.web.stop()
         lab.web, url = start_web(UNIFIEDPUSH_KEYS=keys)
-        Component.objects.filter(pk=lab.component.pk).update(unifiedpush_endpoint_url=url)
+        set_endpoint_url(lab.component, url)
         lab.start_gateway(UNIFIEDPUSH_KEYS=keys)
 
     restart(keyring_env["UNIFIEDPUSH_KEYS"])
     phone = lab.phone()
     old = phone.register_endpoint(COMPONENT[0])
     restart(f"{new_key},{old_key}")
-    base = Component.objects.get(pk=lab.component.pk).unifiedpush_endpoint_url
+    base = ComponentSettings.objects.get(component=lab.component).endpoint_url
     old_url = base + "/push/" + old.url.rsplit("/push/", 1)[1]
     assert lab.post(old_url, b"old endpoint, rotated keys")[0] == 201
     assert phone.wait_for_pushes(1)[0].body == b"old endpoint, rotated keys"
@@ -315,7 +321,7 @@ def test_key_rotation_keeps_old_endpoints_until_the_old_key_goes(lab):
     new = phone.register_endpoint(COMPONENT[0])
     assert new.url.rsplit(".", 1)[1] != old.url.rsplit(".", 1)[1]  # another kid
     restart(new_key)
-    base = Component.objects.get(pk=lab.component.pk).unifiedpush_endpoint_url
+    base = ComponentSettings.objects.get(component=lab.component).endpoint_url
     assert lab.post(base + "/push/" + old.url.rsplit("/push/", 1)[1])[0] == 404
     assert lab.post(new.url.replace(new.url.split("/push/")[0], base), b"new")[0] == 201
     assert phone.wait_for_pushes(2)[1].body == b"new"

@@ -15,11 +15,11 @@ from django.core.exceptions import ValidationError
 from django.test import Client
 from django.urls import reverse
 
-from relay import endpoint_urls
 from relay.models import Component, Tenant
 from relay.services.provisioning import load_tenants
+from relay.unifiedpush import endpoint_urls
 from relay.unifiedpush import http as unifiedpush_http
-from relay.unifiedpush.models import UnifiedPushMessage
+from relay.unifiedpush.models import ComponentSettings, UnifiedPushMessage
 from relay.unifiedpush.services import messages
 from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
@@ -30,8 +30,12 @@ from tests.support.admin import (
     make_tenant_staff,
 )
 from tests.support.endpoints import new_endpoint
+from tests.support.unifiedpush_components import serving_unifiedpush, set_endpoint_url
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
+
+# The UnifiedPush inline's fields on the component's page.
+URL, DAYS = "unifiedpush_settings-0-endpoint_url", "unifiedpush_settings-0-token_lifetime_days"
 
 IDN = "http://пример.example"
 IDNA = "http://xn--e1afmkfd.example"
@@ -50,9 +54,7 @@ def _add_component(client: Client, url: str):
     tenant = Tenant.objects.create(name="acme")
     add = reverse("admin:relay_component_add") + f"?tenant={tenant.pk}"
     page = client.get(add)
-    return client.post(
-        add, changeform_data(page, jid="up.acme.example", unifiedpush_endpoint_url=url)
-    )
+    return client.post(add, changeform_data(page, jid="up.acme.example", **{URL: url}))
 
 
 @pytest.mark.usefixtures("admin_settings")
@@ -69,7 +71,7 @@ def test_the_admin_stores_the_ascii_form(typed, stored):
     login_verified(client, make_operator())
     response = _add_component(client, typed)
     assert response.status_code == 302, response.context["adminform"].form.errors
-    assert Component.objects.get(jid="up.acme.example").unifiedpush_endpoint_url == stored
+    assert ComponentSettings.objects.get(component__jid="up.acme.example").endpoint_url == stored
 
 
 @pytest.mark.usefixtures("admin_settings")
@@ -86,21 +88,22 @@ def test_the_admin_refuses_what_cannot_be_ascii_with_a_clear_error(url, error):
     login_verified(client, make_operator())
     response = _add_component(client, url)
     assert response.status_code == 200
-    assert error in str(response.context["adminform"].form.errors["unifiedpush_endpoint_url"])
+    (inline,) = response.context["inline_admin_formsets"]
+    assert error in str(inline.formset.forms[0].errors["endpoint_url"])
     assert not Component.objects.exists()
 
 
 def test_full_clean_normalises_and_refuses():
     tenant = Tenant.objects.create(name="clean")
-    component = Component(tenant=tenant, jid="up.clean.example", secret="x")
-    component.unifiedpush_endpoint_url = IDN + "/relay/"
-    component.full_clean()
-    assert component.unifiedpush_endpoint_url == IDNA + "/relay/"
-    component.unifiedpush_endpoint_url = TOO_LONG_LABEL
+    component = Component.objects.create(tenant=tenant, jid="up.clean.example", secret="x")
+    settings = ComponentSettings(component=component, endpoint_url=IDN + "/relay/")
+    settings.full_clean()
+    assert settings.endpoint_url == IDNA + "/relay/"
+    settings.endpoint_url = TOO_LONG_LABEL
     with pytest.raises(ValidationError) as raised:
-        component.full_clean()
+        settings.full_clean()
     assert "cannot be written in ASCII" in str(raised.value.message_dict)
-    assert list(raised.value.message_dict) == ["unifiedpush_endpoint_url"]
+    assert list(raised.value.message_dict) == ["endpoint_url"]
 
 
 @pytest.mark.usefixtures("admin_settings")
@@ -108,15 +111,15 @@ def test_tenant_staff_can_save_a_component_whose_old_url_is_invalid():
     """The URL is the operator's (read-only for tenant staff): a row saved before the check
     neither blocks their change nor crashes the form."""
     world = build_tenant("staffed")
-    Component.objects.filter(pk=world.component.pk).update(unifiedpush_endpoint_url="not a url")
+    ComponentSettings.objects.create(component=world.component, endpoint_url="not a url")
     client = Client()
     login_verified(client, make_tenant_staff(world, "staffer", every_permission=True))
     url = reverse("admin:relay_component_change", args=[world.component.pk])
-    response = client.post(url, changeform_data(client.get(url), unifiedpush_token_lifetime_days=3))
+    response = client.post(url, changeform_data(client.get(url), **{DAYS: 3}))
     assert response.status_code == 302
-    component = Component.objects.get(pk=world.component.pk)
-    assert component.unifiedpush_token_lifetime_days == 3
-    assert component.unifiedpush_endpoint_url == "not a url"
+    settings = ComponentSettings.objects.get(component=world.component)
+    assert settings.token_lifetime_days == 3
+    assert settings.endpoint_url == "not a url"
 
 
 def test_load_tenants_stores_the_ascii_form(tmp_path: Path):
@@ -130,7 +133,7 @@ tenants:
           endpoint_url: {IDN}
 """
     load_tenants(document, base_dir=tmp_path)
-    assert Component.objects.get(jid="up.example.org").unifiedpush_endpoint_url == IDNA
+    assert ComponentSettings.objects.get(component__jid="up.example.org").endpoint_url == IDNA
 
 
 @pytest.mark.parametrize(
@@ -143,10 +146,10 @@ tenants:
 )
 def test_rows_saved_before_the_check_get_ascii_endpoints_and_locations(push_client, old, base):
     tenant = Tenant.objects.create(name="old")
-    component = Component.objects.create(
-        tenant=tenant, jid="up.old.example", secret="x", unifiedpush_endpoint_url=IDNA
+    component = serving_unifiedpush(
+        tenant=tenant, jid="up.old.example", secret="x", endpoint_url=IDNA
     )
-    Component.objects.filter(pk=component.pk).update(unifiedpush_endpoint_url=old)
+    set_endpoint_url(component, old)
     endpoint = new_endpoint(component)
     assert endpoint.startswith(base + "/push/v4.local.")
     token = endpoint.rsplit("/", 1)[1]

@@ -19,15 +19,16 @@ from tests.support.waiting import wait_until
 SETUP = """
 import base64, os, time
 from relay.models import Component, Tenant
+from relay.unifiedpush.models import ComponentSettings
 from relay.unifiedpush.services import registration
 tenant = Tenant.objects.create(name="faults")
 component = Component.objects.create(tenant=tenant, jid="up.localhost", secret="s3cr3t",
-    host="127.0.0.1", port=int(os.environ["COMPONENT_PORT"]),
-    unifiedpush_endpoint_url=os.environ["WEB_URL"])
+    host="127.0.0.1", port=int(os.environ["COMPONENT_PORT"]))
+ComponentSettings.objects.create(component=component, endpoint_url=os.environ["WEB_URL"])
 # A second component the web process has not read yet when the database goes (disabled
 # once its endpoint exists: no link for the gateway to make).
-unread = Component.objects.create(tenant=tenant, jid="up2.localhost", secret="s3cr3t",
-    unifiedpush_endpoint_url=os.environ["WEB_URL"])
+unread = Component.objects.create(tenant=tenant, jid="up2.localhost", secret="s3cr3t")
+ComponentSettings.objects.create(component=unread, endpoint_url=os.environ["WEB_URL"])
 for each in (component, unread):
     print(registration.register(component_id=each.pk, jid="juliet@localhost/phone",
         domain="localhost", has_resource=True,

@@ -15,9 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay.models import Component, Tenant
+from relay.models import Tenant
 from relay.unifiedpush.models import UnifiedPushMessage
 from relay.unifiedpush.services import keys, messages, registration, tokens
+from tests.support.unifiedpush_components import serving_unifiedpush
 
 pytestmark = [pytest.mark.django_db, pytest.mark.defaults]
 
@@ -35,11 +36,11 @@ URLSAFE = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
 def endpoints(db):
     messages.reset_limits()
     tenant = Tenant.objects.create(name="fuzz")
-    component = Component.objects.create(
+    component = serving_unifiedpush(
         tenant=tenant,
         jid="up.fuzz.example",
         secret="x",
-        unifiedpush_endpoint_url="https://push.fuzz.example",
+        endpoint_url="https://push.fuzz.example",
     )
 
     def token(now: float | None = None) -> str:

@@ -23,6 +23,7 @@ from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, Un
 from relay.unifiedpush.services import UP_NS, messages
 from tests.support.component_server import FakeXmppServer, error_of
 from tests.support.processes import start_gateway
+from tests.support.unifiedpush_components import serving_unifiedpush
 from tests.support.waiting import holds_for, wait_until
 
 # On the embedded defaults, the tests marked `defaults` below stand for the module: what the
@@ -132,13 +133,13 @@ def lab(push_client):
     messages.reset_limits()
     server = FakeXmppServer(COMPONENT, SECRET)
     tenant = Tenant.objects.create(name="lab", allowed_domains="localhost\n*.example.net")
-    component = Component.objects.create(
+    component = serving_unifiedpush(
         tenant=tenant,
         jid=COMPONENT,
         secret=SECRET,
         host="127.0.0.1",
         port=server.port,
-        unifiedpush_endpoint_url=BASE,
+        endpoint_url=BASE,
     )
     lab = Lab(server, component, push_client)
     lab.start_gateway()

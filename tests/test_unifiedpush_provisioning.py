@@ -9,6 +9,7 @@ from django.db import IntegrityError, transaction
 
 from relay.models import App, Component, Tenant
 from relay.services.provisioning import ProvisioningError, load_tenants
+from relay.unifiedpush.models import ComponentSettings, serves
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -39,17 +40,19 @@ tenants:
 def test_components_serve_unifiedpush_p2_or_both(tmp_path: Path):
     report = load_tenants(DOCUMENT, base_dir=tmp_path)
     assert report.counts["component created"] == 3
+    assert report.counts["UnifiedPush created"] == 2
     up = Component.objects.get(jid="up.example.org")
-    assert up.app is None and up.serves_unifiedpush and not up.serves_p2
-    assert up.unifiedpush_endpoint_url == "https://push.example.org"
-    assert up.unifiedpush_token_lifetime_days == 14
+    assert up.app is None and serves(up) and not up.serves_p2
+    assert up.unifiedpush_settings.endpoint_url == "https://push.example.org"
+    assert up.unifiedpush_settings.token_lifetime_days == 14
     both = Component.objects.get(jid="both.example.org")
-    assert both.serves_p2 and both.serves_unifiedpush
-    assert both.unifiedpush_token_lifetime_days == 7  # the default
+    assert both.serves_p2 and serves(both)
+    assert both.unifiedpush_settings.token_lifetime_days == 7  # the default
     p2 = Component.objects.get(jid="p2.example.org")
-    assert p2.serves_p2 and not p2.serves_unifiedpush
+    assert p2.serves_p2 and not serves(p2)
     again = load_tenants(DOCUMENT, base_dir=tmp_path)
     assert again.counts["component unchanged"] == 3
+    assert again.counts["UnifiedPush unchanged"] == 2
 
 
 def test_leaving_unifiedpush_out_turns_it_off(tmp_path: Path):
@@ -57,8 +60,14 @@ def test_leaving_unifiedpush_out_turns_it_off(tmp_path: Path):
     text = DOCUMENT.replace(
         "        unifiedpush:\n          endpoint_url: https://push.example.org/relay/\n", ""
     )
-    assert load_tenants(text, base_dir=tmp_path).counts["component updated"] == 1
-    assert not Component.objects.get(jid="both.example.org").serves_unifiedpush
+    report = load_tenants(text, base_dir=tmp_path)
+    assert report.counts["UnifiedPush removed"] == 1
+    assert report.counts["component unchanged"] == 3
+    assert "UnifiedPush both.example.org: removed" in [
+        change.describe() for change in report.changes
+    ]
+    assert not serves(Component.objects.get(jid="both.example.org"))
+    assert ComponentSettings.objects.count() == 1
 
 
 @pytest.mark.parametrize(
@@ -106,9 +115,14 @@ def test_mistakes_are_named_and_nothing_applies(tmp_path: Path, replace, message
     assert not Tenant.objects.exists()
 
 
-def test_the_database_refuses_a_component_that_serves_nothing():
+@pytest.mark.parametrize(
+    "values",
+    [{"endpoint_url": ""}, {"endpoint_url": "https://p.example", "token_lifetime_days": 0}],
+)
+def test_the_database_refuses_settings_that_serve_nothing(values):
     tenant = Tenant.objects.create(name="t")
-    with pytest.raises(IntegrityError), transaction.atomic():
-        Component.objects.create(tenant=tenant, jid="nothing.example.org", secret="x")
     app = App.objects.create(tenant=tenant, name="a")
-    Component.objects.create(tenant=tenant, app=app, jid="p2.example.org", secret="x")
+    component = Component.objects.create(tenant=tenant, app=app, jid="p2.example.org", secret="x")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        ComponentSettings.objects.create(component=component, **values)
+    assert not serves(Component.objects.get(pk=component.pk))

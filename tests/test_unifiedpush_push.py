@@ -21,6 +21,7 @@ from django.utils import timezone
 from relay.models import Component, Tenant
 from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage, UnifiedPushRevocation
 from relay.unifiedpush.services import messages, registration, store
+from tests.support.unifiedpush_components import serving_unifiedpush
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -38,8 +39,8 @@ def fresh_limits():
 @pytest.fixture
 def up_component(db):
     tenant = Tenant.objects.create(name="up")
-    return Component.objects.create(
-        tenant=tenant, jid="up.example.org", secret="s3cr3t", unifiedpush_endpoint_url=BASE
+    return serving_unifiedpush(
+        tenant=tenant, jid="up.example.org", secret="s3cr3t", endpoint_url=BASE
     )
 
 

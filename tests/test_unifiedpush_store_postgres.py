@@ -12,10 +12,11 @@ import psycopg
 import pytest
 from django.db import connection
 
-from relay.models import Component, Tenant
+from relay.models import Tenant
 from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
 from relay.unifiedpush.services import messages, registration, store
 from tests.support.processes import test_database_url
+from tests.support.unifiedpush_components import serving_unifiedpush
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -32,8 +33,8 @@ def postgres_only():
 @pytest.fixture
 def tokens():
     tenant = Tenant.objects.create(name="pg")
-    component = Component.objects.create(
-        tenant=tenant, jid="up.pg.example", secret="x", unifiedpush_endpoint_url="https://p.example"
+    component = serving_unifiedpush(
+        tenant=tenant, jid="up.pg.example", secret="x", endpoint_url="https://p.example"
     )
 
     def make() -> str:

@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from relay.models import Registration, WnsDevice
+from relay.models import Registration
+from relay.windows.models import WnsDevice
 from tests.support.ports import free_port, port_accepts
 from tests.support.processes import ROOT, ServiceProcess, service_env
 from tests.support.waiting import wait_until

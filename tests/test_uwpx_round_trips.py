@@ -11,8 +11,9 @@ import psycopg
 import pytest
 from django.db import OperationalError, close_old_connections, connection
 
-from relay.models import App, Registration, Tenant, WnsDevice
+from relay.models import App, Registration, Tenant
 from relay.windows import services as uwpx
+from relay.windows.models import WnsDevice
 from relay.windows.services import AccountRef, ErrorKind, UwpxError, batch, identifiers, sql
 
 DEVICE_ID = "5486bd868050a620141f4e81c9f1d2c67ab0de27e5e26d218ca41c9394ee806b"

@@ -13,11 +13,12 @@ import pytest
 from django.test import override_settings
 
 from pushsite.security import security_headers
-from relay.models import Component, Tenant
+from relay.models import Tenant
 from relay.unifiedpush.services import messages
 from tests.support.endpoints import new_endpoint
 from tests.support.processes import start_web
 from tests.support.raw_http import Answer, exchange, post, request
+from tests.support.unifiedpush_components import serving_unifiedpush
 
 UWPX = json.dumps({"version": 1, "action": "set_channel_uri", "device_id": "0" * 64}).encode()
 
@@ -44,8 +45,8 @@ def test_every_route_answers_with_the_same_security_headers(collected_static):
     port = int(url.rsplit(":", 1)[1])
     try:
         tenant = Tenant.objects.create(name="headers")
-        component = Component.objects.create(
-            tenant=tenant, jid="up.headers.example", secret="x", unifiedpush_endpoint_url=url
+        component = serving_unifiedpush(
+            tenant=tenant, jid="up.headers.example", secret="x", endpoint_url=url
         )
         token = new_endpoint(component).rsplit("/", 1)[1]
         json_type = "Content-Type: application/json"

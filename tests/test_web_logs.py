@@ -21,10 +21,11 @@ from django.test import RequestFactory
 from django.utils.log import log_response
 
 import relay.logging as relay_logging
-from relay.models import Component, Tenant
+from relay.models import Tenant
 from relay.unifiedpush.services import messages
 from tests.support.endpoints import new_endpoint
 from tests.support.processes import ServiceProcess, start_dev_server, start_web
+from tests.support.unifiedpush_components import serving_unifiedpush, set_endpoint_url
 from tests.support.waiting import wait_until
 
 TOKEN = "v4.local.4ojRFvuaHlxoJOk-W3ndu-zjmvz4zANiImFOTlaxBoZIJY2K.dmxVbjBkOGg"
@@ -187,16 +188,16 @@ def _exercise(web: ServiceProcess, url: str) -> tuple[list[str], dict[str, int]]
     the status of each request by name)."""
     port = int(url.rsplit(":", 1)[1])
     tenant = Tenant.objects.create(name="logs")
-    component = Component.objects.create(
-        tenant=tenant, jid="up.logs.example", secret="x", unifiedpush_endpoint_url=url
+    component = serving_unifiedpush(
+        tenant=tenant, jid="up.logs.example", secret="x", endpoint_url=url
     )
     token = new_endpoint(component).rsplit("/", 1)[1]
     # A component saved before endpoint URLs were checked: its answers once crashed (500).
-    old = Component.objects.create(
-        tenant=tenant, jid="up-old.logs.example", secret="x", unifiedpush_endpoint_url=url
+    old = serving_unifiedpush(
+        tenant=tenant, jid="up-old.logs.example", secret="x", endpoint_url=url
     )
     old_token = new_endpoint(old).rsplit("/", 1)[1]
-    Component.objects.filter(pk=old.pk).update(unifiedpush_endpoint_url="http://пример.example")
+    set_endpoint_url(old, "http://пример.example")
     created = _request(port, "POST", f"/push/{token}")
     found = re.search(r"/push/message/(\S+)", created)
     assert found, created

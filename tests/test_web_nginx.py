@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from relay.models import Component, Tenant
+from relay.models import Tenant
 from relay.unifiedpush.services import messages
 from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
 from tests.support.ports import free_port, port_accepts
 from tests.support.processes import ROOT, ServiceProcess, start_web
+from tests.support.unifiedpush_components import serving_unifiedpush
 from tests.support.waiting import wait_until
 from tests.test_uwpx_listener import write_self_signed
 
@@ -95,9 +96,9 @@ http {{
         wait_until(lambda: nginx.poll() is not None or port_accepts(port))
         assert nginx.poll() is None, (tmp_path / "error.log").read_text()
         tenant = Tenant.objects.create(name="proxied")
-        component = Component.objects.create(
+        component = serving_unifiedpush(
             tenant=tenant, jid="up.proxied.example", secret="x",
-            unifiedpush_endpoint_url=f"https://{HOST}",
+            endpoint_url=f"https://{HOST}",
         )  # fmt: skip
         token = new_endpoint(component).rsplit("/", 1)[1]
         yield Proxied(

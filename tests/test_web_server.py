@@ -28,6 +28,7 @@ from tests.support import raw_http
 from tests.support.endpoints import new_endpoint
 from tests.support.processes import ServiceProcess, child_pids, start_web
 from tests.support.raw_http import Reader, closed_by_peer, exchange, post, request
+from tests.support.unifiedpush_components import serving_unifiedpush, set_endpoint_url
 from tests.support.waiting import wait_until
 
 LIMITS = {
@@ -74,8 +75,8 @@ def _web_with_an_endpoint(**env: str) -> Iterator[tuple[ServiceProcess, int, Com
     web, url = start_web(**{**NO_RATES, **LIMITS, **env})
     try:
         tenant = Tenant.objects.create(name="web")
-        component = Component.objects.create(
-            tenant=tenant, jid="up.web.example", secret="x", unifiedpush_endpoint_url=url
+        component = serving_unifiedpush(
+            tenant=tenant, jid="up.web.example", secret="x", endpoint_url=url
         )
         token = new_endpoint(component).rsplit("/", 1)[1]
         yield web, int(url.rsplit(":", 1)[1]), component, token
@@ -302,9 +303,7 @@ def test_a_component_saved_before_urls_were_checked_gets_answers_on_every_path(w
     """Its stored URL has a non-ASCII host: every POST is answered (201 with the ASCII
     Location), kept alive, pipelined behind a refusal, and over HTTP/1.0."""
     web, port, component, token = web_endpoint
-    Component.objects.filter(pk=component.pk).update(
-        unifiedpush_endpoint_url="http://пример.example"
-    )
+    set_endpoint_url(component, "http://пример.example")
     messages.policies.clear()
     location = "http://xn--e1afmkfd.example/push/message/"
     with connect(port, timeout=5) as sock:

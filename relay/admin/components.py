@@ -7,6 +7,7 @@ from typing import Any, cast
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import QuerySet
+from django.forms.models import BaseInlineFormSet
 from django.http import (
     HttpRequest,
     HttpResponse,
@@ -16,6 +17,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils.safestring import SafeString
 
+from relay import features
 from relay.admin.base import (
     TenantScopedAdmin,
     change_message,
@@ -60,8 +62,6 @@ class ComponentForm(forms.ModelForm):
             "host",
             "port",
             "enabled",
-            "unifiedpush_endpoint_url",
-            "unifiedpush_token_lifetime_days",
         )
         field_classes = {"unifiedpush_endpoint_url": HttpsURLField}
 
@@ -80,13 +80,10 @@ class ComponentForm(forms.ModelForm):
         if app is not None and tenant_id is not None and app.tenant_id != tenant_id:
             self.add_error("app", "This app belongs to another tenant.")
         # Read-only fields (operator-only) are not in the form: fall back to the instance.
-        # The URL itself is checked and put in ASCII by the model (Component.clean_fields).
-        url = cleaned.get("unifiedpush_endpoint_url", self.instance.unifiedpush_endpoint_url)
         has_app = app is not None if "app" in self.fields else self.instance.app_id is not None
-        if not has_app and not url:
-            raise forms.ValidationError(
-                "Choose an app (the p2 commands), enter a UnifiedPush endpoint URL, or both."
-            )
+        # With feature apps installed, their inlines check the rule (ComponentPartFormSet).
+        if not has_app and not features.component_parts():
+            raise forms.ValidationError("Choose an app: the component serves the p2 commands.")
         return cleaned
 
     def save(self, commit: bool = True) -> Component:
@@ -99,6 +96,38 @@ class ComponentForm(forms.ModelForm):
         if commit:
             component.save()
         return component
+
+
+class ComponentPartFormSet(BaseInlineFormSet):
+    """The formset of a feature app's inline on the component's page (its settings of the
+    component, relay.features). A component serves something: its app's p2 commands or a
+    feature; the last of these formsets to be cleaned checks that, over all of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Every inline of one page gets the same (unsaved) component: they meet on it.
+        self.siblings: list[ComponentPartFormSet] = self.instance.__dict__.setdefault(
+            "_part_formsets", []
+        )
+        self.siblings.append(self)
+
+    def serves(self) -> bool:
+        """A row is kept or added (and not deleted) by this formset."""
+        return any(
+            not getattr(form, "cleaned_data", {}).get("DELETE")
+            and (not form.instance._state.adding or form.has_changed())
+            for form in self.forms
+        )
+
+    def clean(self) -> None:
+        super().clean()
+        if self is not self.siblings[-1] or self.instance.app_id is not None:
+            return
+        if not any(formset.serves() for formset in self.siblings):
+            names = " or ".join(str(s.model._meta.verbose_name) for s in self.siblings if s.model)
+            raise forms.ValidationError(
+                f"Choose an app (the p2 commands), set up {names}, or both."
+            )
 
 
 @admin.register(Component)
@@ -121,7 +150,7 @@ class ComponentAdmin(TenantScopedAdmin):
     actions = ("enable", "disable", "regenerate_secret")
     # Where the gateway connects, and under which JID, is the operator's to decide: a tenant
     # could otherwise point the gateway at any host and port, or claim another server's JID.
-    operator_only_fields = ("tenant", "jid", "host", "port", "unifiedpush_endpoint_url")
+    operator_only_fields = ("tenant", "jid", "host", "port")
     operator_only_actions = ("regenerate_secret", "delete_selected")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -141,16 +170,6 @@ class ComponentAdmin(TenantScopedAdmin):
         fieldsets: list[Any] = [
             (None, {"fields": ("tenant", "app", "jid", "enabled")}),
             (
-                "UnifiedPush",
-                {
-                    "fields": ("unifiedpush_endpoint_url", "unifiedpush_token_lifetime_days"),
-                    "description": "Phones (Conversations as UnifiedPush distributor) register "
-                    "here for endpoints that apps' servers POST to; the web process serves "
-                    "them at <endpoint URL>/push/…. Leave the URL empty to serve only the p2 "
-                    "commands.",
-                },
-            ),
-            (
                 "Connection",
                 {
                     "fields": (("host", "port"), "new_secret"),
@@ -167,10 +186,15 @@ class ComponentAdmin(TenantScopedAdmin):
             ]
         return fieldsets
 
+    def get_inlines(self, request: HttpRequest, obj: Component | None) -> list[Any]:
+        """What the feature apps add to a component (relay.features: component_inlines)."""
+        return [*super().get_inlines(request, obj), *features.component_inlines()]
+
     def get_queryset(self, request: HttpRequest) -> QuerySet[Component]:
         return (
             super()
             .get_queryset(request)
+            .select_related(*features.component_related_names())
             .annotate(
                 pushes=count_subquery(
                     pushes_since(1).filter(registration__isnull=False),

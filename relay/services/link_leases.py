@@ -31,6 +31,7 @@ from datetime import UTC, datetime, timedelta
 from django.db import connection, transaction
 from django.db.models import Q
 
+from relay import features
 from relay.models import Component, GatewayInstance, LinkLease
 
 # The holder drops its link this long before the database could let another gateway take it:
@@ -116,7 +117,13 @@ def lease_round(
                 if taken:
                     mine.add(component_id)
         shed = sorted(mine)[share:]
-        held = list(Component.objects.filter(pk__in=mine).select_related("app").order_by("pk"))
+        # With what the feature apps keep of them (their settings): the gateway's event loop
+        # reads them and must not query.
+        held = list(
+            Component.objects.filter(pk__in=mine)
+            .select_related("app", *features.component_related_names())
+            .order_by("pk")
+        )
     return LeaseRound(held=held, shed=shed, live_gateways=live, share=share)
 
 

@@ -11,6 +11,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from relay import features
 from relay.models import Component
 
 # Characters that need no quoting in Lua or YAML strings and survive copy and paste.
@@ -30,10 +31,19 @@ def valid_secret(secret: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class FeatureSnippet:
+    """What a feature app served on this component needs (relay.features.ComponentPart)."""
+
+    key: str
+    title: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ConfigSnippets:
     prosody: str
     ejabberd: str
-    unifiedpush: str = ""  # empty when the component does not serve UnifiedPush
+    features: tuple[FeatureSnippet, ...] = ()  # of the features this component serves
 
 
 def config_snippets(*, component: Component, show_secret: bool) -> ConfigSnippets:
@@ -70,28 +80,13 @@ def config_snippets(*, component: Component, show_secret: bool) -> ConfigSnippet
             "  mod_push: {}",
         ]
     )
-    return ConfigSnippets(
-        prosody=prosody, ejabberd=ejabberd, unifiedpush=unifiedpush_snippet(component=component)
-    )
+    return ConfigSnippets(prosody=prosody, ejabberd=ejabberd, features=feature_snippets(component))
 
 
-def unifiedpush_snippet(*, component: Component) -> str:
-    """What the operator's reverse proxy and the users need for UnifiedPush on this component."""
-    if not component.serves_unifiedpush:
-        return ""
-    base = component.unifiedpush_endpoint_url.rstrip("/")
-    days = component.unifiedpush_token_lifetime_days
-    return "\n".join(
-        [
-            f"# Endpoints are {base}/push/<token> (valid {days} days, renewed by the phone);",
-            f"# the Matrix push gateway is {base}/_matrix/push/v1/notify.",
-            "# The reverse proxy in front of the relay's web process must pass these paths",
-            "# (nginx; keep request bodies up to 4096 bytes for /push/):",
-            "location /push/ { proxy_pass http://127.0.0.1:8000; client_max_body_size 8k; }",
-            "location /_matrix/push/ { proxy_pass http://127.0.0.1:8000; }",
-            "",
-            "# Users: in Conversations, Settings > UnifiedPush distributor, choose the account",
-            f"# and set the push server to {component.jid}. Their server needs no module for",
-            "# this: it only routes the phone's register iq and our push iqs.",
-        ]
+def feature_snippets(component: Component) -> tuple[FeatureSnippet, ...]:
+    """The snippets of the feature apps this component serves, in INSTALLED_APPS order."""
+    return tuple(
+        FeatureSnippet(part.key, part.title, text)
+        for part in features.component_parts()
+        if (text := part.snippet(component))
     )

@@ -11,9 +11,10 @@ admin form does. A section that is left out keeps what is stored; a section that
 replaces that provider's settings as a whole (so switching APNs from key to certificate auth
 removes the key).
 
-A component serves the p2 commands (`app`), UnifiedPush (`unifiedpush: {endpoint_url,
-token_lifetime_days}`), or both; a component document describes it whole, so leaving out
-`unifiedpush` turns UnifiedPush off for it.
+A component serves the p2 commands (`app`), what feature apps add (each its own section,
+`relay.features.ComponentPart`: UnifiedPush's is `unifiedpush: {endpoint_url,
+token_lifetime_days}`), or both; a component document describes it whole, so leaving out a
+feature's section turns that feature off for it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from slixmpp.jid import JID, InvalidJID
 
-from relay import endpoint_urls
+from relay import features
 from relay.crypto import EncryptedTextField
 from relay.models import App, Component, Tenant
 from relay.services import onboarding
@@ -66,7 +67,7 @@ class ObjectChange:
 
     kind: str
     label: str
-    change: str  # created, updated or unchanged
+    change: str  # created, updated, unchanged or removed
     fields: tuple[FieldChange, ...] = ()
 
     def describe(self) -> str:
@@ -370,9 +371,10 @@ def _component(
         app = apps.get(app_name) or App.objects.filter(tenant=tenant, name=app_name).first()
         if app is None:
             raise ProvisioningError(f"{where}.app: no app {app_name!r} in this tenant")
-    unifiedpush = _unifiedpush_fields(doc, where)
-    if app is None and not unifiedpush["unifiedpush_endpoint_url"]:
-        raise ProvisioningError(f"{where}: give app (p2 commands), unifiedpush, or both")
+    parts = _feature_parts(doc, where)
+    if app is None and not any(values is not None for _, values in parts):
+        served = ", ".join(part.key for part, _ in parts)
+        raise ProvisioningError(f"{where}: give app (p2 commands), {served}, or both")
     try:
         port = int(doc.get("port", 5347))
     except (TypeError, ValueError) as error:
@@ -389,7 +391,7 @@ def _component(
     if not onboarding.valid_secret(secret):
         # The admin's form applies the same rule (onboarding.SECRET_PATTERN).
         raise ProvisioningError(f"{where}.secret: {onboarding.SECRET_HELP}")
-    _upsert(
+    component = _upsert(
         Component,
         report,
         str(jid),
@@ -401,27 +403,29 @@ def _component(
             "host": _text(doc, "host", where, required=False) or "127.0.0.1",
             "port": port,
             "enabled": enabled,
-            **unifiedpush,
         },
     )
+    for part, values in parts:
+        label = str(jid)
+        if values is not None:
+            _upsert(part.model, report, label, {"component": component}, values)
+        elif part.model._default_manager.filter(component=component).delete()[0]:
+            report.note(ObjectChange(str(part.model._meta.verbose_name), label, "removed"))
 
 
-_UNIFIEDPUSH_KEYS = frozenset({"endpoint_url", "token_lifetime_days"})
-
-
-def _unifiedpush_fields(doc: dict[str, Any], where: str) -> dict[str, Any]:
-    """`unifiedpush: {endpoint_url, token_lifetime_days}`; left out, the component serves none."""
-    section = doc.get("unifiedpush")
-    if section is None:
-        return {"unifiedpush_endpoint_url": "", "unifiedpush_token_lifetime_days": 7}
-    here = f"{where}.unifiedpush"
-    section = _mapping(section, here)
-    _known_keys(section, _UNIFIEDPUSH_KEYS, here)
-    try:
-        url = endpoint_urls.normalized(_text(section, "endpoint_url", here))
-    except ValidationError as error:
-        raise ProvisioningError(f"{here}.endpoint_url: {error.messages[0]}") from None
-    days = section.get("token_lifetime_days", 7)
-    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 365:
-        raise ProvisioningError(f"{here}.token_lifetime_days: expected a number of days, 1 to 365")
-    return {"unifiedpush_endpoint_url": url, "unifiedpush_token_lifetime_days": days}
+def _feature_parts(
+    doc: dict[str, Any], where: str
+) -> list[tuple[features.ComponentPart, dict[str, Any] | None]]:
+    """Each feature app's settings of the component from its section (relay.features); None
+    for a section left out: the component does not serve that feature."""
+    parts: list[tuple[features.ComponentPart, dict[str, Any] | None]] = []
+    for part in features.component_parts():
+        section = doc.get(part.key)
+        if section is None:
+            parts.append((part, None))
+            continue
+        try:
+            parts.append((part, part.provisioned(section, f"{where}.{part.key}")))
+        except ValueError as error:
+            raise ProvisioningError(str(error)) from None
+    return parts

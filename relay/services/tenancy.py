@@ -27,7 +27,6 @@ from relay.models import (
     Registration,
     Tenant,
     TenantStaffGroup,
-    WnsDevice,
 )
 
 M = TypeVar("M", bound=models.Model)
@@ -42,7 +41,6 @@ TENANT_PATHS: dict[type[models.Model], str] = {
     Component: "tenant",
     ComponentLink: "component__tenant",
     Registration: "app__tenant",
-    WnsDevice: "app__tenant",
     Delivery: "tenant",
     DeadLetter: "tenant",
     TenantStaffGroup: "tenant",

@@ -10,6 +10,10 @@ class UnifiedPushConfig(AppConfig):
     # What the gateway plugs in (xmppgateway.features): the register iq, relaying stored
     # messages, the direct path's listener.
     gateway_feature = "relay.unifiedpush.gateway.relay.UnifiedPushRelay"
+    # What it adds to the core (relay.features): its settings of a component (load_tenants'
+    # `unifiedpush` section, the snippet on the component's page) and their admin inline.
+    component_part = "relay.unifiedpush.component.part"
+    component_inlines = ("relay.unifiedpush.admin.ComponentSettingsInline",)
 
     def ready(self) -> None:
         from relay.services import retention, tenancy

@@ -1,12 +1,91 @@
-"""UnifiedPush's data: the messages a phone has not taken yet, the endpoints it refused, and
-how each message ended. No JID, endpoint or body is stored in clear (docs/unifiedpush.md,
-Privacy). The tables keep the names they had in the core app (`relay_…`)."""
+"""UnifiedPush's data: which components serve it, the messages a phone has not taken yet, the
+endpoints it refused, and how each message ended. No JID, endpoint or body is stored in clear
+(docs/unifiedpush.md, Privacy). The message tables keep the names they had in the core app
+(`relay_…`)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
 from django.db import models
 
 from relay.models import Component, Tenant
+from relay.unifiedpush import endpoint_urls
+
+DEFAULT_TOKEN_LIFETIME_DAYS = 7
+
+
+class ComponentSettings(models.Model):
+    """UnifiedPush on one component: the row says it serves UnifiedPush, and where.
+
+    A component without one does not serve it (what the defaults were when these settings
+    were columns of the component)."""
+
+    component = models.OneToOneField(
+        Component,
+        on_delete=models.CASCADE,
+        primary_key=True,
+        related_name="unifiedpush_settings",
+    )
+    endpoint_url = models.URLField(
+        "UnifiedPush endpoint URL",
+        help_text="Public base URL of this relay's web process (or its reverse proxy), e.g. "
+        "https://push.example.org; endpoints are built on it.",
+    )
+    token_lifetime_days = models.PositiveSmallIntegerField(
+        "UnifiedPush endpoint lifetime (days)",
+        default=DEFAULT_TOKEN_LIFETIME_DAYS,
+        validators=[MinValueValidator(1)],
+        help_text="Conversations renews an endpoint when less than a day is left.",
+    )
+
+    class Meta:
+        verbose_name = "UnifiedPush"
+        verbose_name_plural = "UnifiedPush"
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(token_lifetime_days__gte=1),
+                name="unifiedpush_lifetime_positive",
+            ),
+            models.CheckConstraint(
+                condition=~models.Q(endpoint_url=""), name="unifiedpush_endpoint_url_given"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"UnifiedPush at {self.endpoint_url}"
+
+    def clean_fields(self, exclude: Collection[str] | None = None) -> None:
+        """The endpoint URL in ASCII (an IDN host in IDNA), or a clear error: it goes into
+        headers (relay.unifiedpush.endpoint_urls)."""
+        errors: dict[str, list[ValidationError]] = {}
+        try:
+            super().clean_fields(exclude)
+        except ValidationError as error:
+            errors = error.error_dict
+        name = "endpoint_url"
+        if self.endpoint_url and name not in errors and name not in (exclude or ()):
+            try:
+                self.endpoint_url = endpoint_urls.normalized(self.endpoint_url)
+            except ValidationError as error:
+                errors[name] = error.error_list
+        if errors:
+            raise ValidationError(errors)
+
+
+def settings_of(component: Component) -> ComponentSettings | None:
+    """The component's UnifiedPush settings, None when it does not serve UnifiedPush; no
+    query when they were loaded with it (select_related, as the gateway's leases do)."""
+    try:
+        return component.unifiedpush_settings
+    except ComponentSettings.DoesNotExist:
+        return None
+
+
+def serves(component: Component) -> bool:
+    return settings_of(component) is not None
 
 
 class UnifiedPushUrgency(models.IntegerChoices):

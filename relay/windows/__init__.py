@@ -2,7 +2,6 @@
 HTTP JSON (docs/windows-api.md), or over the TLS listener (`manage.py run_uwpx_listener`).
 
 `api` (the ninja views, the schemas, the protocol both entry points share), `services` (the
-rules and the storage), `tasks` (stale devices), `management` (the listener). The devices'
-rows (`relay.models.WnsDevice`) belong to the core: registrations point at them, and the WNS
-provider sends to their channels.
+rules and the storage), `tasks` (stale devices), `management` (the listener), `models` (the
+devices, `WnsDevice`: the core's registrations of their accounts point at them).
 """

@@ -7,3 +7,9 @@ class WindowsConfig(AppConfig):
     name = "relay.windows"
     label = "windows"
     verbose_name = "Windows API"
+
+    def ready(self) -> None:
+        from relay.services import tenancy
+        from relay.windows.models import WnsDevice
+
+        tenancy.register_tenant_owned(WnsDevice, "app__tenant")

@@ -49,7 +49,7 @@ from relay.unifiedpush.gateway.channel import ChannelServer
 from relay.unifiedpush.gateway.index import StoredIndex
 from relay.unifiedpush.gateway.phones import PhoneKey, Phones
 from relay.unifiedpush.gateway.wire import Batch, Link, error_condition
-from relay.unifiedpush.models import UnifiedPushOutcome
+from relay.unifiedpush.models import UnifiedPushOutcome, serves
 from relay.unifiedpush.services import UP_NS, channel, delivery, messages, registration, store
 from relay.unifiedpush.services.delivery import Fate
 from relay.unifiedpush.services.keys import Unsealable
@@ -137,7 +137,7 @@ class UnifiedPushRelay:
         return {REGISTER_TAG: self.register}
 
     def disco_features(self, component: Component) -> list[str]:
-        return [UP_NS] if component.serves_unifiedpush else []
+        return [UP_NS] if serves(component) else []
 
     async def start(self) -> str:
         """The direct path's listener (`gateway.channel`), announced with the gateway's
@@ -195,7 +195,7 @@ class UnifiedPushRelay:
     # --- the register iq
 
     async def register(self, ctx: LinkContext, sender: JID, element: ET.Element) -> Answer:
-        if not ctx.component.serves_unifiedpush:
+        if not serves(ctx.component):
             return handlers.error(*handlers.SERVICE_UNAVAILABLE)
         try:
             registered = await ctx.run_blocking(

@@ -29,10 +29,11 @@ from datetime import UTC, datetime, timedelta
 
 from django.db import DatabaseError
 
-from relay import conf, endpoint_urls
+from relay import conf
 from relay.models import Component
 from relay.services import link_leases
-from relay.unifiedpush.models import UnifiedPushUrgency
+from relay.unifiedpush import endpoint_urls
+from relay.unifiedpush.models import UnifiedPushUrgency, settings_of
 from relay.unifiedpush.services import channel, store, tokens
 from relay.unifiedpush.services.keys import KeyRing, keyring
 from relay.unifiedpush.services.limits import TokenBuckets
@@ -123,11 +124,11 @@ class _PolicyCache:
 
 def _read_policy(component_id: int) -> Policy | None:
     component = (
-        Component.objects.select_related("tenant")
+        Component.objects.select_related("tenant", "unifiedpush_settings")
         .only(
             "id",
             "enabled",
-            "unifiedpush_endpoint_url",
+            "unifiedpush_settings__endpoint_url",
             "tenant_id",
             "tenant__suspended",
             "tenant__rate_limit_per_second",
@@ -139,16 +140,17 @@ def _read_policy(component_id: int) -> Policy | None:
     if component is None:
         return None
     tenant = component.tenant
+    settings = settings_of(component)
     channel = ""
     if conf.current().unifiedpush_direct_seconds > 0:
         channel = link_leases.channel_of(component.pk)
     return Policy(
         component_id=component.pk,
         tenant_id=tenant.pk,
-        serves=component.enabled and component.serves_unifiedpush,
+        serves=component.enabled and settings is not None,
         suspended=tenant.suspended,
         # ASCII even for a row saved before URLs were checked: it goes into Location.
-        endpoint_url=endpoint_urls.ascii_form(component.unifiedpush_endpoint_url),
+        endpoint_url=endpoint_urls.ascii_form(settings.endpoint_url if settings else ""),
         tenant_rate=tenant.rate_limit_per_second,
         tenant_burst=float(tenant.rate_limit_burst) if tenant.rate_limit_burst else None,
         channel=channel,

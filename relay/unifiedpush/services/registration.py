@@ -10,9 +10,10 @@ import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from relay import endpoint_urls
 from relay.models import Component
 from relay.services.publishing import domain_allowed
+from relay.unifiedpush import endpoint_urls
+from relay.unifiedpush.models import settings_of
 from relay.unifiedpush.services import tokens
 
 log = logging.getLogger(__name__)
@@ -91,19 +92,20 @@ def register(
     domains) applies from the next registration on.
     """
     component = (
-        Component.objects.select_related("tenant")
+        Component.objects.select_related("tenant", "unifiedpush_settings")
         .only(
             "id",
             "enabled",
-            "unifiedpush_endpoint_url",
-            "unifiedpush_token_lifetime_days",
+            "unifiedpush_settings__endpoint_url",
+            "unifiedpush_settings__token_lifetime_days",
             "tenant__suspended",
             "tenant__allowed_domains",
         )
         .filter(pk=component_id)
         .first()
     )
-    if component is None or not component.enabled or not component.serves_unifiedpush:
+    settings = None if component is None else settings_of(component)
+    if component is None or not component.enabled or settings is None:
         raise Refused(Refusal.NOT_SERVED, "this component does not serve UnifiedPush")
     application_raw = decode_id(application, "application")
     instance_raw = decode_id(instance, "instance")
@@ -113,7 +115,7 @@ def register(
         raise Refused(Refusal.SUSPENDED)
     if not domain_allowed(allowed_domains=component.tenant.allowed_domains, domain=domain):
         raise Refused(Refusal.FORBIDDEN, "accounts of this domain may not register here")
-    expires = int(now) + component.unifiedpush_token_lifetime_days * 86400
+    expires = int(now) + settings.token_lifetime_days * 86400
     token, _ = tokens.issue(
         jid=jid,
         application=application_raw,
@@ -121,7 +123,7 @@ def register(
         component_id=component.pk,
         expires=expires,
     )
-    url = endpoint_url(component.unifiedpush_endpoint_url, token)
+    url = endpoint_url(settings.endpoint_url, token)
     if len(url.encode()) > MAX_ENDPOINT_BYTES:
         raise Refused(Refusal.TOO_LONG, "the account's address is too long for an endpoint")
     log.info("unifiedpush.registered", extra={"component_id": component.pk})

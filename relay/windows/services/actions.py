@@ -12,8 +12,9 @@ from functools import partial
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from relay.models import App, Registration, Service, WnsDevice
+from relay.models import App, Registration, Service
 from relay.services import channels, lifecycle, queue, test_push
+from relay.windows.models import WnsDevice
 from relay.windows.services import batch, sql
 from relay.windows.services.apps import AppChanged, app_changed, app_params, load_app
 from relay.windows.services.errors import ErrorKind, UwpxError

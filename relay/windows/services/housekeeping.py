@@ -8,8 +8,9 @@ from datetime import datetime, timedelta
 from django.utils import timezone
 
 from relay import conf
-from relay.models import Registration, WnsDevice
+from relay.models import Registration
 from relay.services import lifecycle
+from relay.windows.models import WnsDevice
 
 log = logging.getLogger("relay.windows.services")
 

@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection
 
-from relay.models import App, Component, Registration, Tenant, WnsDevice
+from relay.models import App, Component, Registration, Tenant
+from relay.windows.models import WnsDevice
 
 log = logging.getLogger("relay.windows.services")
 

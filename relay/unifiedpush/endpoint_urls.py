@@ -4,7 +4,7 @@ Endpoints (`<base>/push/<token>`) go to application servers, and message resourc
 (`<base>/push/message/<reference>`) go back in a POST's `Location` header, which must be
 ASCII. A host typed in Unicode (`http://пример.example`) is stored in its IDNA form
 (`http://xn--e1afmkfd.example`); what cannot be written so is refused when it is saved
-(`normalized`, through `Component.clean_fields`, the admin and `load_tenants`). Rows saved
+(`normalized`, through `ComponentSettings.clean_fields`, the admin and `load_tenants`). Rows saved
 before that rule are served through `ascii_form`, which never fails.
 """
 

@@ -1,0 +1,124 @@
+"""The feature apps took their data from the core without losing any: each migration is run
+backwards to the core's old state, rows are written there, and forwards again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from django.apps.registry import Apps
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+
+pytestmark = [pytest.mark.defaults, pytest.mark.django_db(transaction=True)]
+
+
+def _migrate(targets: list[tuple[str, str | None]]) -> Apps:
+    """The database migrated to `targets`; the models as they were there."""
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(targets)
+    executor = MigrationExecutor(connection)
+    return executor.loader.project_state([t for t in targets if t[1] is not None]).apps
+
+
+@pytest.fixture
+def back_to() -> Iterator[object]:
+    """Migrates back for a test, and forwards to the newest state after it (whatever failed)."""
+    try:
+        yield _migrate
+    finally:
+        _forwards()
+
+
+def _forwards() -> None:
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(executor.loader.graph.leaf_nodes())
+
+
+def test_windows_devices_move_to_their_app_with_their_rows_and_registrations(back_to):
+    old = back_to([("relay", "0013_unifiedpush_reports"), ("windows", None)])
+    tenant = old.get_model("relay", "Tenant").objects.create(name="acme")
+    app = old.get_model("relay", "App").objects.create(tenant=tenant, name="uwpx")
+    component = old.get_model("relay", "Component").objects.create(
+        tenant=tenant, app=app, jid="push.acme.example", secret="x"
+    )
+    device = old.get_model("relay", "WnsDevice").objects.create(
+        app=app, device_id_hash="d" * 64, channel_uri="https://db5.notify.windows.com/?token=1"
+    )
+    old.get_model("relay", "Registration").objects.create(
+        app=app, component=component, service="wns", wns_device=device, device_hash="h" * 64,
+        account_domain="acme.example", token=device.channel_uri, node="n1", secret="s1",
+    )  # fmt: skip
+    content_types = old.get_model("contenttypes", "ContentType")
+    content_types.objects.get_or_create(app_label="relay", model="wnsdevice")
+
+    _forwards()
+
+    from django.contrib.contenttypes.models import ContentType
+
+    from relay.models import Registration
+    from relay.windows.models import WnsDevice
+
+    moved = WnsDevice.objects.get()
+    assert (moved.pk, moved.app_id, moved.device_id_hash) == (device.pk, app.pk, "d" * 64)
+    assert moved.channel_uri == "https://db5.notify.windows.com/?token=1"
+    assert Registration.objects.get().wns_device == moved
+    assert ContentType.objects.filter(app_label="windows", model="wnsdevice").exists()
+    assert not ContentType.objects.filter(app_label="relay", model="wnsdevice").exists()
+    # The foreign keys still hold: removing the device removes its accounts' registrations.
+    moved.delete()
+    assert not Registration.objects.exists()
+
+
+BEFORE_UNIFIEDPUSH_SETTINGS = [
+    ("relay", "0015_component_serves_something_leaves_the_database"),
+    ("unifiedpush", "0001_initial"),
+]
+
+
+def test_unifiedpush_settings_move_to_their_app_and_back(back_to):
+    old = back_to(BEFORE_UNIFIEDPUSH_SETTINGS)
+    tenant = old.get_model("relay", "Tenant").objects.create(name="acme")
+    app = old.get_model("relay", "App").objects.create(tenant=tenant, name="conversations")
+    components = old.get_model("relay", "Component").objects
+    up = components.create(
+        tenant=tenant, jid="up.acme.example", secret="x",
+        unifiedpush_endpoint_url="https://push.acme.example", unifiedpush_token_lifetime_days=14,
+    )  # fmt: skip
+    both = components.create(
+        tenant=tenant, app=app, jid="both.acme.example", secret="x",
+        unifiedpush_endpoint_url="https://push.acme.example/relay/",
+    )  # fmt: skip
+    p2 = components.create(tenant=tenant, app=app, jid="p2.acme.example", secret="x")
+
+    _forwards()
+
+    from relay.models import Component
+    from relay.unifiedpush.models import ComponentSettings, serves
+
+    rows = {
+        row.component_id: (row.endpoint_url, row.token_lifetime_days)
+        for row in ComponentSettings.objects.all()
+    }
+    assert rows == {
+        up.pk: ("https://push.acme.example", 14),
+        both.pk: ("https://push.acme.example/relay/", 7),
+    }
+    assert not serves(Component.objects.get(pk=p2.pk))  # no row: today's default, none
+    assert {f.name for f in Component._meta.get_fields()}.isdisjoint(
+        {"unifiedpush_endpoint_url", "unifiedpush_token_lifetime_days"}
+    )
+
+    # Undone, the values are the component's columns again.
+    old = _migrate(BEFORE_UNIFIEDPUSH_SETTINGS)
+    back = {
+        c.pk: (c.unifiedpush_endpoint_url, c.unifiedpush_token_lifetime_days)
+        for c in old.get_model("relay", "Component").objects.all()
+    }
+    assert back == {
+        up.pk: ("https://push.acme.example", 14),
+        both.pk: ("https://push.acme.example/relay/", 7),
+        p2.pk: ("", 7),
+    }
