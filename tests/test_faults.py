@@ -287,7 +287,7 @@ class Lab:
         tenant = self.tenants[name] = Tenant(name, fcm, server, registrations)
         return tenant
 
-    def start(self, *, workers: int = WORKERS, **env: str) -> None:
+    def start(self, *, workers: int = WORKERS, beat: bool = True, **env: str) -> None:
         _run_django(
             self.database_url, "seed", {"tenants": [t.spec() for t in self.tenants.values()]}
         )
@@ -301,9 +301,9 @@ class Lab:
         self.gateway = start_gateway(**self.env)
         for _ in range(workers):
             self.start_worker()
-        # Beat's sweep queues the deferred sends (retries) once due, as in production.
-        schedule = str(Path(tempfile.mkdtemp(prefix="relay-beat-")) / "schedule")
-        self.beat = ServiceProcess("beat", beat_argv(schedule), service_env(**self.env))
+        if beat:  # housekeeping only: the workers themselves queue the deferred sends
+            schedule = str(Path(tempfile.mkdtemp(prefix="relay-beat-")) / "schedule")
+            self.beat = ServiceProcess("beat", beat_argv(schedule), service_env(**self.env))
         for tenant in self.tenants.values():
             tenant.server.wait_connected(gateway=self.gateway)
 
@@ -650,6 +650,69 @@ def test_a_stuck_provider_does_not_delay_another_tenant(lab: Lab) -> None:
     assert len(stuck.fcm.requests) < count / 4
     assert sum(a.dead_letters.values()) == a.answered_result, a.line()
     assert any("PROVIDER_STALLED" in reason for reason in a.dead_letters), a.line()
+
+
+# How late a retried push may reach FCM after its backoff, with no beat running: the workers'
+# sweep interval (1 s) and the send queue, loose for this shared machine (docs/faults.md).
+RETRY_LATE_BOUND = 10.0
+
+
+def test_no_beat_running_delays_no_retried_push(lab: Lab) -> None:
+    """No beat process at all: the first sends of the stream are refused (429, Retry-After
+    1 s) and wait in the database as deferred sends; every worker sweeps the due ones itself,
+    so each reaches FCM within its backoff plus RETRY_LATE_BOUND."""
+    refused = 150
+    retry_after = 1.0
+
+    def backoff(attempt: int) -> float:
+        return retry_after + 2.0 * 2 ** (attempt - 1)
+
+    tenant = lab.add_tenant("nobeat", PUBLISHES)
+    tenant.fcm.respond(None, 429, retry_after=retry_after, times=refused)
+    lab.start(beat=False)
+    assert lab.beat is None
+    started = time.time()
+    tenant.publish_stream(PUBLISHES, RATE)
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: len(tenant.answers()) >= len(tenant.sent), timeout=30, interval=0.5)
+    with contextlib.suppress(TimeoutError):
+        wait_until(lab.settled, timeout=DRAIN_TIMEOUT, interval=1.0)
+    result = report(lab, tenant, "no beat running, 150 sends refused with Retry-After 1 s", started)
+    print(result.line())
+    # Each refused push: from its last refusal to its delivery, less the longest backoff it
+    # could be given (Retry-After plus the jitter of its attempt, RELAY_SEND_RETRY_BASE_SECONDS
+    # 2 doubled per attempt).
+    refusals: dict[str, list[float]] = {}
+    for request in tenant.fcm.requests:
+        if request.status == 429 and request.token:
+            refusals.setdefault(request.token, []).append(request.time)
+    delivered = tenant.delivered()
+    retried_after = sorted(
+        min(when for _, when in delivered[t]) - max(times)
+        for t, times in refusals.items()
+        if t in delivered
+    )
+    late = sorted(
+        max(0.0, min(when for _, when in delivered[t]) - max(times) - backoff(len(times)))
+        for t, times in refusals.items()
+        if t in delivered
+    )
+    print(
+        f"no beat: last refusal -> delivery p50 {percentile(retried_after, 0.5):.2f} s, "
+        f"p99 {percentile(retried_after, 0.99):.2f} s, max {percentile(retried_after, 1.0):.2f} s"
+    )
+    print(
+        f"no beat: {len(refusals)} pushes refused then retried; late past their backoff "
+        f"p50 {percentile(late, 0.5):.2f} s, p99 {percentile(late, 0.99):.2f} s, "
+        f"max {percentile(late, 1.0):.2f} s"
+    )
+    assert result.lost == 0, f"{result.line()}\n{lab.close()}"
+    assert result.without_delivery_row == 0, result.line()
+    assert result.answered_result >= PUBLISHES - 10, result.line()
+    assert not result.dead_letters, result.line()
+    assert len(refusals) >= refused // 2, "the stream met too few refusals to test retries"
+    assert len(late) == len(refusals), "a refused push was never retried"
+    assert late[-1] < RETRY_LATE_BOUND, late[-10:]
 
 
 def test_the_send_handed_to_a_worker_as_it_is_killed_is_not_lost(lab: Lab) -> None:

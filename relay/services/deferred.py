@@ -66,7 +66,7 @@ def row(
         "tenant_id": tenant_id,
         "app_id": app_id,
         "due": (now + timedelta(seconds=max(delay, 0.0))).isoformat(),
-        "job": job.to_message(),
+        "job": {**job.to_message(), "app": app_id},
     }
 
 

@@ -385,4 +385,5 @@ def _job(item: _Pending, *, coalesced: bool) -> queue.SendJob:
         pending_subscription_count=item.publish.pending_subscription_count,
         received=item.received.isoformat(),
         coalesced=coalesced,
+        app=item.registration.app_id,
     )
