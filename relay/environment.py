@@ -304,8 +304,8 @@ class Environment(BaseSettings):
         "CELERY_DELIVERY_LIMIT",
         20,
         "RabbitMQ: deliveries of one send (a worker killed while holding it counts) before "
-        "the queue dead-letters it to `<queue>.dead`, from where beat records it in the "
-        "dead letters (never dropped).",
+        "the queue dead-letters it to `<queue>.dead`, from where the workers record it in "
+        "the dead letters (never dropped).",
         group=Group.STORES,
     )
     celery_confirm_timeout: float = var(
@@ -626,9 +626,9 @@ class Environment(BaseSettings):
     deferred_sweep_seconds: float = var(
         "RELAY_DEFERRED_SWEEP_SECONDS",
         1.0,
-        "Deferred sends (retries, rate limits, coalescing windows) wait in the database; beat "
-        "publishes at most RELAY_DEFERRED_SWEEP_BATCH due ones every this many seconds, shared "
-        "between tenants, so a provider's backlog never floods the queue of fresh pushes.",
+        "Deferred sends (retries, rate limits, coalescing windows) wait in the database; each "
+        "worker publishes at most RELAY_DEFERRED_SWEEP_BATCH due ones every this many seconds, "
+        "shared between tenants, so a provider's backlog never floods the queue of fresh pushes.",
         group=Group.WORKERS,
     )
     deferred_sweep_batch: int = var("RELAY_DEFERRED_SWEEP_BATCH", 200, "", group=Group.WORKERS)

@@ -8,13 +8,13 @@ quorum queues go through Celery's delayed delivery (about 8 ms of broker CPU eac
 celery#9912: countdown tasks stuck in its delay queues), and on Redis are held in worker
 memory. Here they are rows (`DeferredSend`), one per push id.
 
-The sweep (beat task relay.sweep_deferred_sends, every RELAY_DEFERRED_SWEEP_SECONDS) takes due
-rows, publishes them (one relay.send_pushes message per app) and deletes them in ONE
+The sweep (every worker's, relay/services/worker_sweeps.py, every RELAY_DEFERRED_SWEEP_SECONDS)
+takes due rows, publishes them (one relay.send_pushes message per app) and deletes them in ONE
 transaction, after the broker confirmed: a crash between publish and commit leaves the rows,
 which the next sweep publishes again (at least once; the push id keeps the Delivery row and
 the provider's id single), and a broker that is down rolls the sweep back (nothing lost).
 On PostgreSQL the rows are taken FOR UPDATE SKIP LOCKED, so sweeps running side by side
-(a slow one and the next) take different rows; SQLite serialises writers anyway.
+(several workers' at once) take different rows; SQLite serialises writers anyway.
 
 Fairness: fresh pushes never pass through the table. A sweep publishes at most
 RELAY_DEFERRED_SWEEP_BATCH rows, shared out evenly between the tenants that have due rows, and
@@ -192,8 +192,8 @@ def _queue_busy() -> bool:
 
 
 def sweep_due() -> int:
-    """One sweep for beat: how many sends it queued; 0 when the broker refused (the rows
-    stay for the next sweep, counted in relay_deferred_sweep_failures)."""
+    """One sweep for a worker's sweeper: how many sends it queued; 0 when the broker refused
+    (the rows stay for the next sweep, counted in relay_deferred_sweep_failures)."""
     try:
         return sweep().published
     except queue.QueueUnavailable:
