@@ -619,8 +619,9 @@ class Environment(BaseSettings):
     max_threads_per_app: int = var(
         "RELAY_MAX_THREADS_PER_APP",
         0,
-        "Worker threads one app may hold at once (0: three quarters of the worker's threads), "
-        "so one tenant's stuck provider cannot take the pool; beyond it a send is deferred.",
+        "Worker threads one app may send on at once (0: three quarters of the worker's "
+        "threads), so one tenant's stuck provider cannot take the pool; beyond it a send waits "
+        "for one of its app's threads while no other app's message waits, else is deferred.",
         group=Group.WORKERS,
     )
     deferred_sweep_seconds: float = var(
