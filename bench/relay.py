@@ -279,8 +279,8 @@ def main() -> None:
                 subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)
             )
             workers = start_workers(args.workers, args.concurrency, env)
-            # As in production: a send deferred (a retry, or beyond its app's share of the
-            # worker's threads) waits in the database until beat's sweep queues it.
+            # As in production: beat for housekeeping (a deferred send, a retry or one that
+            # stepped aside for another app, is queued by the workers' own sweep).
             schedule = str(workdir / "beat-schedule")
             beat = subprocess.Popen(beat_argv(schedule, loglevel="WARNING"), cwd=ROOT, env=env)
             processes.extend([*workers, beat])

@@ -382,20 +382,9 @@ CELERY_BEAT_SCHEDULE = {
         "task": "relay.remove_unused_registrations",
         "schedule": ENV.registration_cleanup_seconds,
     },
-    # Deferred sends (retries, coalescing windows) wait in the database until due.
-    "sweep-deferred-sends": {
-        "task": "relay.sweep_deferred_sends",
-        "schedule": ENV.deferred_sweep_seconds,
-        # A sweep that waited in a long queue is stale: the next one comes anyway.
-        "options": {"expires": max(10.0, 5 * ENV.deferred_sweep_seconds)},
-    },
+    # Deferred sends and the broker's dead letters are swept by every worker itself
+    # (relay/services/worker_sweeps.py): beat is housekeeping only, no push waits for it.
 }
-if CELERY_BROKER_URL.startswith(("amqp://", "amqps://", "pyamqp://")):
-    # Sends past the delivery limit, made dead letters (relay/services/broker_dead_letters.py).
-    CELERY_BEAT_SCHEDULE["collect-broker-dead-letters"] = {
-        "task": "relay.collect_broker_dead_letters",
-        "schedule": 30.0,
-    }
 
 
 def _beat_time(name: str, value: str) -> tuple[int, int] | None:
@@ -438,7 +427,6 @@ LOGGING = {
     "formatters": {"json": {"()": "relay.logging.JsonFormatter"}},
     "filters": {
         "mask_secrets": {"()": "relay.logging.MaskSecrets"},
-        "quiet_sweep": {"()": "relay.logging.QuietSweep"},
     },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
@@ -462,8 +450,6 @@ LOGGING = {
         # slixmpp logs whole stanzas (JIDs, secrets) even in errors; the gateway logs its own.
         "slixmpp": {"level": "CRITICAL"},
         "celery": {"level": LOG_LEVEL},
-        # Beat sends the deferred sweep every second: its line would be most of beat's log.
-        "celery.beat": {"filters": ["quiet_sweep"]},
         # Workers log through these handlers (CELERY_WORKER_HIJACK_ROOT_LOGGER off): Celery's
         # per-task lines would carry every job's arguments; delivery.done says what matters.
         "celery.worker.strategy": {"level": "WARNING"},

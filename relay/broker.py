@@ -4,7 +4,8 @@ RabbitMQ (docs/broker.md): the send tasks travel through ONE quorum queue (`send
 replicated on every node, confirmed publishes, acknowledged late). A send delivered
 `CELERY_DELIVERY_LIMIT` times without an acknowledgement (a poison message that kills its
 worker each time) is dead-lettered, at least once, to `<queue>.dead` (`dead_letter_queue`),
-from where relay.collect_broker_dead_letters (beat) records it among the relay's dead letters.
+from where the workers' sweep (relay/services/worker_sweeps.py) records it among the relay's
+dead letters.
 
 The embedded broker: kombu's SQLAlchemy transport with leases instead of hiding.
 
@@ -112,8 +113,9 @@ def send_queue(env: Environment) -> Queue:
 
 
 def dead_letter_queue(env: Environment) -> Queue:
-    """Where RabbitMQ puts a send past its delivery limit; nothing consumes it but the beat
-    task that records its messages as dead letters (so it is not in CELERY_TASK_QUEUES)."""
+    """Where RabbitMQ puts a send past its delivery limit; nothing consumes it but the
+    workers' sweep that records its messages as dead letters (so it is not in
+    CELERY_TASK_QUEUES)."""
     dead = dead_letter_name(env.celery_queue)
     return Queue(
         dead,

@@ -313,8 +313,8 @@ class Environment(BaseSettings):
         "CELERY_DELIVERY_LIMIT",
         20,
         "RabbitMQ: deliveries of one send (a worker killed while holding it counts) before "
-        "the queue dead-letters it to `<queue>.dead`, from where beat records it in the "
-        "dead letters (never dropped).",
+        "the queue dead-letters it to `<queue>.dead`, from where the workers record it in "
+        "the dead letters (never dropped).",
         group=Group.STORES,
     )
     celery_confirm_timeout: float = var(
@@ -638,16 +638,17 @@ class Environment(BaseSettings):
     max_threads_per_app: int = var(
         "RELAY_MAX_THREADS_PER_APP",
         0,
-        "Worker threads one app may hold at once (0: three quarters of the worker's threads), "
-        "so one tenant's stuck provider cannot take the pool; beyond it a send is deferred.",
+        "Worker threads one app may send on at once (0: three quarters of the worker's "
+        "threads), so one tenant's stuck provider cannot take the pool; beyond it a send waits "
+        "for one of its app's threads while no other app's message waits, else is deferred.",
         group=Group.WORKERS,
     )
     deferred_sweep_seconds: float = var(
         "RELAY_DEFERRED_SWEEP_SECONDS",
         1.0,
-        "Deferred sends (retries, rate limits, coalescing windows) wait in the database; beat "
-        "publishes at most RELAY_DEFERRED_SWEEP_BATCH due ones every this many seconds, shared "
-        "between tenants, so a provider's backlog never floods the queue of fresh pushes.",
+        "Deferred sends (retries, rate limits, coalescing windows) wait in the database; each "
+        "worker publishes at most RELAY_DEFERRED_SWEEP_BATCH due ones every this many seconds, "
+        "shared between tenants, so a provider's backlog never floods the queue of fresh pushes.",
         group=Group.WORKERS,
     )
     deferred_sweep_batch: int = var("RELAY_DEFERRED_SWEEP_BATCH", 200, "", group=Group.WORKERS)

@@ -97,17 +97,6 @@ class MaskSecrets(logging.Filter):
         return True
 
 
-class QuietSweep(logging.Filter):
-    """Drops beat's "Sending due task" line of the deferred sweep: it runs every second
-    (RELAY_DEFERRED_SWEEP_SECONDS) and would drown beat's other lines."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.args, tuple) and SWEEP_TASK in record.args)
-
-
-SWEEP_TASK = "relay.sweep_deferred_sends"
-
-
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {

@@ -23,7 +23,8 @@ Celery's own retry turns a failed publish into a reject WITHOUT requeue; `_defer
 
 Only these database retries wait in the broker (a countdown): the database is what is missing.
 A send deferred for its provider (outage, Retry-After, quota, busy app) or a coalescing window
-waits in the database instead and is queued by beat's sweep (relay/services/deferred.py).
+waits in the database instead and is queued by the sweep every worker runs
+(relay/services/worker_sweeps.py, relay/services/deferred.py): no other process is needed.
 """
 
 from __future__ import annotations
@@ -33,13 +34,21 @@ from typing import Any, NoReturn
 
 from celery import Task, shared_task
 from celery.exceptions import Reject
-from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
+from celery.signals import (
+    task_prerun,
+    task_received,
+    task_revoked,
+    worker_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 
 from relay.providers.base import Outcome
-from relay.services import broker_dead_letters, delivery
+from relay.services import broker_dead_letters, delivery, worker_sweeps
 from relay.services import provider_limits as limits
 from relay.services import provider_registry as registry
-from relay.services.queue import SEND_PUSH, SEND_PUSHES, SendJob
+from relay.services.queue import SEND_PUSH, SEND_PUSHES, SendJob, apps_of
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +123,28 @@ def _note_worker_threads(sender: Any = None, **_: object) -> None:
         limits.set_worker_threads(concurrency)
 
 
+@task_received.connect(weak=False)
+def _note_waiting(request: Any = None, **_: object) -> None:
+    """A send message now waits for a thread of this worker: its apps are counted, so that
+    another app's sends beyond their share step aside for it (provider_limits)."""
+    if request is None or request.eta:  # a countdown is not waiting for a thread yet
+        return
+    apps = apps_of(request.name, request.args)
+    if apps:
+        limits.task_waiting(request.id, apps)
+
+
+@task_prerun.connect(weak=False)
+def _note_started(task_id: str = "", **_: object) -> None:
+    limits.task_started(task_id)
+
+
+@task_revoked.connect(weak=False)
+def _note_revoked(request: Any = None, **_: object) -> None:
+    if request is not None:
+        limits.task_started(request.id)
+
+
 _probes: list[Any] = []
 
 
@@ -151,15 +182,33 @@ def _declare_dead_letter_queue(**_: object) -> None:
     broker_dead_letters.declare()
 
 
+_sweepers: list[worker_sweeps.Sweeper] = []
+
+
+@worker_ready.connect(weak=False)
+def _start_sweeper(**_: object) -> None:
+    """Each worker queues the due deferred sends and records the broker's dead letters
+    itself (relay/services/worker_sweeps.py): no beat is needed for an accepted push."""
+    _sweepers.append(worker_sweeps.Sweeper().start())
+
+
+@worker_shutdown.connect(weak=False)
+def _stop_sweeper(**_: object) -> None:
+    while _sweepers:
+        _sweepers.pop().stop()
+
+
 @shared_task(name="relay.collect_broker_dead_letters", ignore_result=True)
 def collect_broker_dead_letters() -> int:
-    """Beat task: sends RabbitMQ dead-lettered, recorded as the relay's dead letters."""
+    """Sends RabbitMQ dead-lettered, recorded as the relay's dead letters (the workers' sweeper
+    runs this every 30 s; the task is for an operator's one-off run)."""
     return broker_dead_letters.collect()
 
 
 @shared_task(name="relay.sweep_deferred_sends", ignore_result=True)
 def sweep_deferred_sends() -> int:
-    """Beat task (every RELAY_DEFERRED_SWEEP_SECONDS): queue the deferred sends that are due."""
+    """Queue the deferred sends that are due (the workers' sweeper runs this every
+    RELAY_DEFERRED_SWEEP_SECONDS; the task is for an operator's one-off run)."""
     from relay.services import deferred
 
     return deferred.sweep_due()

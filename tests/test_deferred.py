@@ -1,12 +1,12 @@
 """Deferred sends (relay/services/deferred.py): kept in the database, not as broker countdowns,
-and published by beat's sweep once due; at least once through a crash, nothing lost while the
-broker is down, and one tenant's backlog never takes another tenant's share of a sweep."""
+and published by the sweep every worker runs once due; at least once through a crash, nothing
+lost while the broker is down, and one tenant's backlog never takes another tenant's share of
+a sweep."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.test import override_settings
 from django.utils import timezone
 from prometheus_client import REGISTRY
@@ -24,13 +24,14 @@ from pushsite.celery import app as celery_app
 from relay import tasks
 from relay.models import App, DeferredSend, Delivery, Registration, Service, Tenant
 from relay.providers.base import Outcome
-from relay.services import deferred, delivery, observability, queue, throttling
+from relay.services import deferred, delivery, observability, queue, throttling, worker_sweeps
 from relay.services import provider_registry as registry
 from tests.fakes.fcm import FakeFcm
 from tests.support.broker import queued_jobs_with_eta
 from tests.support.deferred import deferred_jobs
 from tests.support.ports import free_port
 from tests.support.provider_fakes import configure_fcm
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -183,15 +184,42 @@ def test_the_sweep_queues_a_send_once_due_and_it_is_delivered(component, fcm_app
     assert deferred.sweep().published == 0 and take_messages() == []
 
 
-def test_the_beat_task_sweeps_and_is_scheduled(component, fcm_app):
+def test_the_task_sweeps_and_beat_does_not(component, fcm_app):
+    """The workers sweep (relay/services/worker_sweeps.py); the task stays for a one-off run."""
     registration = make_registration(component.app, 3)
     job = defer(registration)
     assert tasks.sweep_deferred_sends() == 1
     [message] = take_messages()
     assert [item["push_id"] for item in message.jobs] == [job.push_id]
-    entry = settings.CELERY_BEAT_SCHEDULE["sweep-deferred-sends"]
-    assert entry["task"] == "relay.sweep_deferred_sends"
-    assert entry["schedule"] == settings.RELAY["DEFERRED_SWEEP_SECONDS"]
+    scheduled = {entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert not scheduled & {"relay.sweep_deferred_sends", "relay.collect_broker_dead_letters"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_workers_sweeper_queues_due_sends_and_outlives_a_failure(component, fcm_app):
+    """Every worker runs the sweeper thread: a due row is queued without beat, and a round
+    that fails (the database or the broker away) leaves the thread to try again."""
+    registration = make_registration(component.app, 4)
+    job = defer(registration)
+    failures: list[int] = []
+
+    def failing() -> object:
+        failures.append(1)
+        raise DatabaseError("away")
+
+    sweeper = worker_sweeps.Sweeper(
+        [
+            worker_sweeps._Duty("failing", 0.05, failing),
+            *worker_sweeps.default_duties(),
+        ]
+    ).start()
+    try:
+        wait_until(lambda: not deferred_jobs(), timeout=30, what="the worker's sweep")
+        wait_until(lambda: len(failures) >= 3, timeout=30, what="rounds after a failure")
+    finally:
+        sweeper.stop()
+    [message] = take_messages()
+    assert [item["push_id"] for item in message.jobs] == [job.push_id]
 
 
 def test_a_crash_between_publish_and_delete_publishes_again(component, fcm_app, monkeypatch):
@@ -409,16 +437,3 @@ def test_sweeps_side_by_side_take_different_rows(component, fcm_app):
     published = {job["push_id"] for message in take_messages() for job in message.jobs}
     assert published == jobs - set(held) and len(held) == 4
     assert {item.job["push_id"] for item in deferred_jobs()} == set(held)
-
-
-def test_beat_does_not_log_every_sweep(caplog):
-    """Beat sends the sweep every second; its "Sending due task" line is left out, the other
-    tasks' lines stay."""
-    beat = logging.getLogger("celery.beat")
-    with caplog.at_level(logging.INFO, logger="celery.beat"):
-        for entry, task in (
-            ("sweep-deferred-sends", tasks.sweep_deferred_sends.name),
-            ("remove-unused-registrations", "relay.remove_unused_registrations"),
-        ):
-            beat.info("Scheduler: Sending due task %s (%s)", entry, task)
-    assert [record.args[0] for record in caplog.records] == ["remove-unused-registrations"]

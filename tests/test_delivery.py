@@ -32,7 +32,7 @@ from tests.support.provider_fakes import (
     configure_wns,
     start_apns,
 )
-from tests.support.waiting import wait_until
+from tests.support.waiting import holds_for, wait_until
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -310,10 +310,12 @@ def test_a_send_deferred_for_a_busy_app_keeps_its_attempt(component, fakes):
     stuck = BlockingProvider()  # another thread of this worker, sending to the same app
     with relay_settings(MAX_THREADS_PER_APP=1):
         holder = hold(stuck, limits.Target(app.pk, Service.FCM, app.updated.isoformat()), [])
+        limits.task_waiting("another-apps-message", {app.pk + 1})  # so this one steps aside
         try:
             job = make_job(registration, attempt=settings.RELAY["SEND_MAX_ATTEMPTS"])
             assert delivery.deliver(job) == Outcome.RETRY_LATER
         finally:
+            limits.task_started("another-apps-message")
             stuck.release.set()
             holder.join(10)
     [queued] = deferred_jobs()
@@ -639,9 +641,10 @@ def test_sends_beyond_an_apps_slots_wait_then_retry_later(fresh_limits):
 
 
 def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits, monkeypatch):
-    """A stuck app holds at most MAX_THREADS_PER_APP threads: its next send is deferred after
-    a moment (the thread goes back to the pool), and once the stuck send is SLOW_SECONDS old
-    it is told to come back when that send has timed out; another app's send goes at once."""
+    """A stuck app holds at most MAX_THREADS_PER_APP threads: while another app's message
+    waits for a thread, its next send is deferred at once (the thread goes back to the pool),
+    and once the stuck send is SLOW_SECONDS old it is told to come back when that send has
+    timed out; another app's send goes at once."""
     # Longer than the product's half second: the first deferral must come while the stuck send
     # is younger than this, which a loaded machine needs room for.
     monkeypatch.setattr(limits, "SLOW_SECONDS", 2.0)
@@ -657,6 +660,7 @@ def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits, m
             healthy = BlockingProvider()
             healthy.release.set()
             assert limits.send_group(healthy, [WAKEUP], APP_2) == [SendResult.delivered()]
+            limits.task_waiting("app-2-message", {APP_2.app})
             started = time.monotonic()
             busy = limits.send_group(stuck, [WAKEUP, WAKEUP], APP_1)
             waited = time.monotonic() - started
@@ -681,10 +685,9 @@ def test_an_app_holding_its_threads_is_deferred_and_others_go_on(fresh_limits, m
     assert stuck.sends == 1
 
 
-def test_a_busy_app_with_quick_sends_waits_for_a_thread(fresh_limits, monkeypatch):
-    """Every slot taken by sends that end quickly: the next one waits for a slot instead of
-    going back through the broker."""
-    monkeypatch.setattr(limits, "SLOT_WAIT_SECONDS", 5.0)  # room for a loaded test machine
+def test_a_busy_app_with_quick_sends_waits_for_a_thread(fresh_limits):
+    """Every slot taken by sends that end quickly, no other app waiting: the next one waits
+    for a slot instead of going back through the broker."""
     quick = BlockingProvider()
     results: list[SendResult] = []
     with relay_settings(MAX_THREADS_PER_APP=1):
@@ -693,6 +696,154 @@ def test_a_busy_app_with_quick_sends_waits_for_a_thread(fresh_limits, monkeypatc
         assert limits.send_group(quick, [WAKEUP], APP_1) == [SendResult.delivered()]
         holder.join(10)
     assert results == [SendResult.delivered()] and quick.sends == 2
+
+
+class QuickProvider:
+    """Answers every send after `seconds`, noting when each app's sends arrived."""
+
+    service = "fcm"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.arrived: dict[str, float] = {}
+        self.in_flight = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def send(self, wakeup: Wakeup) -> SendResult:
+        with self._lock:
+            self.arrived[wakeup.push_id] = time.monotonic()
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        time.sleep(self.seconds)
+        with self._lock:
+            self.in_flight -= 1
+        return SendResult.delivered()
+
+    def close(self) -> None:
+        pass
+
+
+class Worker:
+    """A worker's threads pool as Celery runs it (one FIFO of messages, THREADS threads), the
+    worker signals as relay/tasks.py sends them: a message counts as waiting from its arrival
+    until a thread takes it. Each message is one wake-up of one app."""
+
+    THREADS = 8
+    PREFETCH = 4  # messages reserved ahead per thread (CELERY_WORKER_PREFETCH_MULTIPLIER)
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        limits.set_worker_threads(self.THREADS)
+        self.pool = ThreadPoolExecutor(self.THREADS)
+        self.results: dict[str, SendResult] = {}
+        self.queued: dict[str, float] = {}
+        self.reserved = threading.BoundedSemaphore(self.THREADS * self.PREFETCH)
+
+    def receive(self, provider: QuickProvider, app: int, push_id: str) -> None:
+        """Like the consumer: waits for room in the prefetch window, then hands it over."""
+        self.reserved.acquire()
+        self.queued[push_id] = time.monotonic()
+        limits.task_waiting(push_id, {app})
+        self.pool.submit(self._run, provider, app, push_id)
+
+    def _run(self, provider: QuickProvider, app: int, push_id: str) -> None:
+        limits.task_started(push_id)
+        try:
+            wakeup = dataclasses.replace(WAKEUP, push_id=push_id)
+            [self.results[push_id]] = limits.send_group(
+                provider, [wakeup], limits.Target(app, "fcm")
+            )
+        finally:
+            self.reserved.release()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def test_a_lone_apps_burst_uses_every_thread_and_is_never_deferred(fresh_limits):
+    """One app alone on the worker, a burst far beyond its threads: every send goes out (none
+    deferred to the database), and no more than its share send at once."""
+    worker = Worker()
+    provider = QuickProvider(0.01)
+    try:
+        for n in range(600):
+            worker.receive(provider, APP_1.app, f"a-{n}")
+    finally:
+        worker.close()
+    assert len(worker.results) == 600
+    assert set(worker.results.values()) == {SendResult.delivered()}
+    assert provider.peak <= limits.max_threads_per_app() < Worker.THREADS
+    assert limits.waiting() == {}
+
+
+OTHERS = 100
+
+
+def test_another_apps_push_goes_out_quickly_during_a_burst(fresh_limits):
+    """App 1 bursts (its sends beyond the share wait in their threads while it is alone);
+    app 2's messages arrive behind its reserved ones: each time, the app's sends beyond its
+    share step aside, and app 2's wake-up reaches its provider within 50 ms (p99)."""
+    worker = Worker()
+    burst = QuickProvider(0.02)
+    other = QuickProvider(0.0)
+    stop = threading.Event()
+
+    def feed() -> None:
+        n = 0
+        while not stop.is_set():
+            worker.receive(burst, APP_1.app, f"a-{n}")
+            n += 1
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        wait_until(lambda: burst.peak >= limits.max_threads_per_app(), what="the burst")
+        for n in range(OTHERS):
+            worker.receive(other, APP_2.app, f"b-{n}")
+            time.sleep(0.02)
+        wait_until(lambda: len(other.arrived) == OTHERS, timeout=30, what="app 2's wake-ups")
+    finally:
+        stop.set()
+        feeder.join(30)
+        worker.close()
+    waits = sorted(other.arrived[f"b-{n}"] - worker.queued[f"b-{n}"] for n in range(OTHERS))
+    p99 = waits[int(0.99 * OTHERS) - 1]
+    print(
+        f"app 2 during app 1's burst: queued -> provider p50 {waits[20] * 1000:.1f} ms, "
+        f"p99 {p99 * 1000:.1f} ms, max {waits[-1] * 1000:.1f} ms"
+    )
+    assert p99 < 0.05, waits
+    assert all(worker.results[f"b-{n}"] == SendResult.delivered() for n in range(OTHERS))
+    stepped_aside = [r for r in worker.results.values() if r.outcome == Outcome.RETRY_LATER]
+    assert stepped_aside and {r.error_code for r in stepped_aside} == {limits.APP_IN_FLIGHT_CAP}
+    assert burst.peak <= limits.max_threads_per_app()
+
+
+def test_a_send_waiting_for_its_apps_thread_steps_aside_when_another_app_arrives(fresh_limits):
+    stuck = BlockingProvider()
+    results: list[SendResult] = []
+    waited: list[SendResult] = []
+    with relay_settings(MAX_THREADS_PER_APP=1, PROVIDER_TIMEOUT_SECONDS=30.0):
+        holder = hold(stuck, APP_1, results)
+        waiter = threading.Thread(
+            target=lambda: waited.extend(limits.send_group(stuck, [WAKEUP], APP_1))
+        )
+        waiter.start()
+        try:
+            holds_for(lambda: not waited, 0.3, "the send waits for its app's thread, alone")
+            arrived = time.monotonic()
+            limits.task_waiting("app-2-message", {APP_2.app})
+            waiter.join(10)
+            stepped_aside_after = time.monotonic() - arrived
+        finally:
+            stuck.release.set()
+            holder.join(10)
+    [aside] = waited
+    assert (aside.outcome, aside.error_code) == (Outcome.RETRY_LATER, limits.APP_IN_FLIGHT_CAP)
+    assert stepped_aside_after < 1.0
+    assert stuck.sends == 1 and results == [SendResult.delivered()]
 
 
 def test_a_stalled_provider_opens_its_breaker_and_a_probe_closes_it(fresh_limits):

@@ -323,7 +323,7 @@ def test_sigkill_mid_batch_loses_no_push_on_the_embedded_broker(
                     os.kill(parent, signal.SIGCONT)
             with contextlib.suppress(TimeoutError):  # the assertions below say what is missing
                 wait_until(
-                    # Sends deferred meanwhile (the app's threads busy) are swept as beat would.
+                    # Sends deferred meanwhile (the app's threads busy) are swept at once.
                     swept(lambda: delivered_count() >= PUSHES),
                     timeout=90,
                     interval=0.2,

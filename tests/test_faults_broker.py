@@ -3,8 +3,8 @@
 - a send taken and not acknowledged comes back, marked redelivered, as soon as the consumer's
   connection is gone (what a killed worker leaves behind), with nothing to wait for;
 - a send delivered CELERY_DELIVERY_LIMIT times without an acknowledgement (a poison message)
-  is dead-lettered to `<queue>.dead`, not dropped, and beat's task records it among the relay's
-  dead letters with its push id, replayable;
+  is dead-lettered to `<queue>.dead`, not dropped, and the workers' sweep records it among the
+  relay's dead letters with its push id, replayable;
 - a message in the dead-letter queue that is not a send stays there for an operator.
 
 The worker processes are in test_faults.py and test_worker_kill.py.

@@ -148,7 +148,7 @@ def test_sigkill_mid_batch_loses_no_push(scenario, component):
                 sent_before_kill = set(push_ids_at_fake(fcm))
             with contextlib.suppress(TimeoutError):  # the assertions below say what is missing
                 wait_until(
-                    # Sends deferred meanwhile (the app's threads busy) are swept as beat would.
+                    # Sends deferred meanwhile (the app's threads busy) are swept at once.
                     swept(lambda: delivered_count() >= PUSHES),
                     timeout=90,
                     interval=0.2,

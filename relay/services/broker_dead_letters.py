@@ -2,10 +2,10 @@
 
 A send delivered CELERY_DELIVERY_LIMIT times without an acknowledgement (each delivery
 killed its worker, say) is dead-lettered by the quorum queue to `<queue>.dead`
-(relay/broker.py). Nothing runs those messages: beat's relay.collect_broker_dead_letters
-takes them one by one, records their jobs as dead letters (replayable with the same push id,
-docs/faults.md) and only then acknowledges them. A message it cannot record stays in the
-queue for the next round: never dropped.
+(relay/broker.py). Nothing runs those messages: every worker's sweeper
+(relay/services/worker_sweeps.py) takes them one by one, records their jobs as dead letters
+(replayable with the same push id, docs/faults.md) and only then acknowledges them. A message
+it cannot record stays in the queue for the next round: never dropped.
 """
 
 from __future__ import annotations

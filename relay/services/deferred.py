@@ -8,13 +8,13 @@ quorum queues go through Celery's delayed delivery (about 8 ms of broker CPU eac
 celery#9912: countdown tasks stuck in its delay queues), and on Redis are held in worker
 memory. Here they are rows (`DeferredSend`), one per push id.
 
-The sweep (beat task relay.sweep_deferred_sends, every RELAY_DEFERRED_SWEEP_SECONDS) takes due
-rows, publishes them (one relay.send_pushes message per app) and deletes them in ONE
+The sweep (every worker's, relay/services/worker_sweeps.py, every RELAY_DEFERRED_SWEEP_SECONDS)
+takes due rows, publishes them (one relay.send_pushes message per app) and deletes them in ONE
 transaction, after the broker confirmed: a crash between publish and commit leaves the rows,
 which the next sweep publishes again (at least once; the push id keeps the Delivery row and
 the provider's id single), and a broker that is down rolls the sweep back (nothing lost).
 On PostgreSQL the rows are taken FOR UPDATE SKIP LOCKED, so sweeps running side by side
-(a slow one and the next) take different rows; SQLite serialises writers anyway.
+(several workers' at once) take different rows; SQLite serialises writers anyway.
 
 Fairness: fresh pushes never pass through the table. A sweep publishes at most
 RELAY_DEFERRED_SWEEP_BATCH rows, shared out evenly between the tenants that have due rows, and
@@ -66,7 +66,7 @@ def row(
         "tenant_id": tenant_id,
         "app_id": app_id,
         "due": (now + timedelta(seconds=max(delay, 0.0))).isoformat(),
-        "job": job.to_message(),
+        "job": {**job.to_message(), "app": app_id},
     }
 
 
@@ -148,6 +148,10 @@ def sweep(*, limit: int | None = None, now: datetime | None = None) -> Sweep:
     if _queue_busy():
         limit = max(1, limit // HELD_SHARE)
         due_by = now - timedelta(seconds=STARVED_AFTER_SECONDS)
+    if not DeferredSend.objects.filter(due__lte=due_by).exists():
+        # Most rounds of most workers: nothing is due, and no write lock is taken (SQLite's
+        # transactions begin IMMEDIATE) nor held by a worker paused mid-sweep.
+        return Sweep(0, 0, 0)
     with transaction.atomic():
         rows = _take(limit, due_by)
         if not rows:
@@ -192,8 +196,8 @@ def _queue_busy() -> bool:
 
 
 def sweep_due() -> int:
-    """One sweep for beat: how many sends it queued; 0 when the broker refused (the rows
-    stay for the next sweep, counted in relay_deferred_sweep_failures)."""
+    """One sweep for a worker's sweeper: how many sends it queued; 0 when the broker refused
+    (the rows stay for the next sweep, counted in relay_deferred_sweep_failures)."""
     try:
         return sweep().published
     except queue.QueueUnavailable:

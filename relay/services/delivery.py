@@ -11,7 +11,7 @@ what follows:
   one. Bounded by SEND_MAX_ATTEMPTS and by age: a wake-up that would go out later than
   SEND_MAX_AGE_SECONDS after the publish is useless, so it is given up at once. The copy is a
   row in the database (relay/services/deferred.py), written with the batch's bookkeeping, not a
-  broker countdown; beat's sweep queues it once due.
+  broker countdown; the workers' sweep queues it once due.
 - failed, retries exhausted or too old: a dead letter
   (relay/services/dead_letters.py) that the admin can replay, plus the Delivery record.
 

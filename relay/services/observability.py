@@ -84,8 +84,8 @@ def _dead_letters_pending(apps: dict[int, tuple[str, str]]) -> GaugeMetricFamily
 
 def _deferred() -> list[Metric]:
     """The deferred sends waiting in the database (relay/services/deferred.py), by tenant and
-    whether they are due; and how long the oldest due one is overdue (grows when beat's
-    sweep stops or cannot keep up)."""
+    whether they are due; and how long the oldest due one is overdue (grows when no worker
+    sweeps or the sweeps cannot keep up)."""
     backlog = deferred.backlog()
     names = dict(Tenant.objects.filter(pk__in=backlog.waiting).values_list("pk", "name"))
     waiting = GaugeMetricFamily(

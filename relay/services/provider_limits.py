@@ -8,11 +8,16 @@ none of them makes a send wait for another app:
 
 - threads: at most RELAY["MAX_THREADS_PER_APP"] worker threads send to one app at once (0,
   the default: three quarters of the worker's threads, so that a quarter, at least one, is
-  always left to the other apps). A send beyond that waits a moment (SLOT_WAIT_SECONDS) for
-  a slot, then is deferred (RETRY_LATER, APP_IN_FLIGHT_CAP): the provider never saw it, so no
-  attempt is counted. It comes back shortly if the app was merely busy; if its sends are slow
-  (the oldest in flight for SLOW_SECONDS), once that send has timed out (spread over one more
-  timeout), for the breaker's verdict, instead of spinning through the broker.
+  always left to the other apps). The share is work-conserving: a send beyond it waits in its
+  thread for one of its app's slots as long as no other app's message waits for a thread of
+  this worker (counted from the worker signals, relay/tasks.py: `task_waiting`,
+  `task_started`), so a lone tenant's burst uses the whole worker and never goes to the
+  database. Once another app's message waits, a send beyond the share steps aside at once
+  (RETRY_LATER, APP_IN_FLIGHT_CAP: deferred, the provider never saw it, so no attempt is
+  counted) and its thread goes to the queue. It comes back shortly if the app was merely
+  busy; if its sends are slow (the oldest in flight for SLOW_SECONDS), once that send has
+  timed out (spread over one more timeout), for the breaker's verdict, instead of spinning
+  through the broker.
 - sends: at most RELAY["MAX_IN_FLIGHT_PER_PROVIDER"] wake-ups in flight per app's provider (a
   batch takes up to BATCH_SLOTS at a time, Sygnal's ConcurrencyLimitedPushkin). A batch waits
   up to RELAY["IN_FLIGHT_WAIT_SECONDS"] for a slot: only the app's own, bounded, threads
@@ -35,7 +40,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from relay import conf
@@ -52,9 +57,9 @@ BATCH_SLOTS = 16
 STALL_CODES = frozenset({"TIMEOUT", "NETWORK", "OAUTH_NETWORK", "AUTH_TIMEOUT", "AUTH_NETWORK"})
 # An app whose oldest send in flight is this old (seconds) is slow, not merely busy.
 SLOW_SECONDS = 0.5
-# How long a send waits for a thread of its busy (not slow) app before it is deferred: long
-# enough for a quick send to end, short enough that a provider turning stuck costs little.
-SLOT_WAIT_SECONDS = 0.05
+# A message counted as waiting for a thread this long is forgotten (revoked or expired before
+# it ran, or started in a pool child that this process does not see).
+WAITING_FORGOTTEN_SECONDS = 60.0
 # Deferred for lack of a thread or slot of the app: the provider never saw these.
 BUSY_CODES = frozenset({IN_FLIGHT_CAP, APP_IN_FLIGHT_CAP})
 # Results that say nothing about the provider (the send never reached it).
@@ -85,6 +90,10 @@ _in_flight: dict[Hashable, int] = {}
 _threads: dict[int, dict[object, float]] = {}  # app -> {slot token: when taken}
 _breakers: dict[Target, _Breaker] = {}
 _worker_threads = 0
+# Messages received by this worker and not started yet: per app (None: not known), and per
+# task id (its apps, when received).
+_waiting: dict[int | None, int] = {}
+_waiting_tasks: dict[str, tuple[frozenset[int | None], float]] = {}
 
 
 def set_worker_threads(count: int) -> None:
@@ -125,7 +134,7 @@ def send_group(provider: PushProvider, wakeups: list[Wakeup], target: Target) ->
     admitted, probe, retry_after = _admit(target)
     if not admitted:
         return [SendResult(Outcome.RETRY_LATER, PROVIDER_STALLED, retry_after)] * len(wakeups)
-    token, wait = _take_thread(target.app)
+    token, wait, waited = _take_thread(target.app)
     if token is None:
         if probe:
             with _lock:
@@ -133,6 +142,13 @@ def send_group(provider: PushProvider, wakeups: list[Wakeup], target: Target) ->
         log.info("delivery.app_busy", extra={"app": target.app, "provider": target.service})
         return [SendResult(Outcome.RETRY_LATER, APP_IN_FLIGHT_CAP, wait)] * len(wakeups)
     try:
+        if waited and not probe:
+            # Its app's breaker may have opened while this send waited for a thread.
+            admitted, probe, retry_after = _admit(target)
+            if not admitted:
+                return [SendResult(Outcome.RETRY_LATER, PROVIDER_STALLED, retry_after)] * len(
+                    wakeups
+                )
         if probe:
             # One wake-up finds out whether the provider answers again; the rest wait for it.
             results = _send_slotted(provider, wakeups[:1], target)
@@ -147,17 +163,22 @@ def send_group(provider: PushProvider, wakeups: list[Wakeup], target: Target) ->
             _freed.notify_all()
 
 
-def _take_thread(app: int) -> tuple[object | None, float | None]:
-    """A thread slot of `app` (a token to give back), or None and a Retry-After.
+def _take_thread(app: int) -> tuple[object | None, float | None, bool]:
+    """A thread slot of `app` (a token to give back), or None and a Retry-After; and whether
+    it waited for the slot.
 
-    With every slot taken, a healthy app's send waits for one (its sends end within
-    milliseconds) up to SLOT_WAIT_SECONDS, then it is deferred. A slow app's deferred pushes
-    (its oldest send in flight for SLOW_SECONDS) wait until that send has timed out, spread
-    over one more timeout: they wait for the breaker's verdict instead of spinning through
-    the broker.
+    Beyond its share, a send waits for one of its app's slots while no other app's message
+    waits for a thread of this worker (at most one provider timeout: every send in flight
+    ends by then): the worker is the app's alone, and a slot frees as soon as a send ends.
+    Once another app's message waits, the send steps aside at once. A slow app's deferred
+    pushes (its oldest send in flight for SLOW_SECONDS) come back once that send has timed
+    out, spread over one more timeout: they wait for the breaker's verdict instead of
+    spinning through the broker.
     """
     cap = max_threads_per_app()
-    deadline = time.monotonic() + SLOT_WAIT_SECONDS
+    patience = conf.current().provider_timeout_seconds
+    started = time.monotonic()
+    waited = False
     with _freed:
         while True:
             held = _threads.setdefault(app, {})
@@ -165,15 +186,63 @@ def _take_thread(app: int) -> tuple[object | None, float | None]:
             if not cap or len(held) < cap:
                 token = object()
                 held[token] = now
-                return token, None
+                return token, None, waited
             oldest = now - min(held.values())
-            if oldest >= SLOW_SECONDS or now >= deadline:
+            if _others_waiting(app) or now - started >= patience:
                 break
-            _freed.wait(min(deadline - now, SLOW_SECONDS - oldest))
+            waited = True
+            _freed.wait(started + patience - now)
     if oldest < SLOW_SECONDS:
-        return None, None
+        return None, None, waited
     timeout = conf.current().provider_timeout_seconds
-    return None, max(SLOW_SECONDS, timeout - oldest) + random.uniform(0, timeout)
+    return None, max(SLOW_SECONDS, timeout - oldest) + random.uniform(0, timeout), waited
+
+
+def _others_waiting(app: int) -> bool:
+    """Whether a message of another app (or of an unknown one) waits for a thread (the
+    caller holds _lock)."""
+    return any(count > 0 and other != app for other, count in _waiting.items())
+
+
+def task_waiting(task_id: str, apps: set[int | None]) -> None:
+    """A send message received by this worker waits for a thread (the `task_received`
+    signal): sends beyond their app's share step aside for it if it is another app's."""
+    now = time.monotonic()
+    with _freed:
+        if len(_waiting_tasks) > 1000:
+            for stale, (stale_apps, since) in list(_waiting_tasks.items()):
+                if now - since > WAITING_FORGOTTEN_SECONDS:
+                    del _waiting_tasks[stale]
+                    _count_waiting(stale_apps, -1)
+        previous = _waiting_tasks.pop(task_id, None)
+        if previous is not None:
+            _count_waiting(previous[0], -1)
+        _waiting_tasks[task_id] = (frozenset(apps), now)
+        _count_waiting(apps, 1)
+        _freed.notify_all()
+
+
+def task_started(task_id: str) -> None:
+    """The message got its thread (`task_prerun`), or will never run (`task_revoked`)."""
+    with _lock:
+        entry = _waiting_tasks.pop(task_id, None)
+        if entry is not None:
+            _count_waiting(entry[0], -1)
+
+
+def _count_waiting(apps: Iterable[int | None], change: int) -> None:
+    for app in apps:
+        count = _waiting.get(app, 0) + change
+        if count > 0:
+            _waiting[app] = count
+        else:
+            _waiting.pop(app, None)
+
+
+def waiting() -> dict[int | None, int]:
+    """Messages waiting for a thread of this worker, per app (tests)."""
+    with _lock:
+        return dict(_waiting)
 
 
 def _admit(target: Target) -> tuple[bool, bool, float | None]:
@@ -272,10 +341,12 @@ def _send_slotted(provider: PushProvider, wakeups: list[Wakeup], key: Hashable) 
 
 
 def reset() -> None:
-    """Forget slots and breakers, so changed settings apply (tests)."""
+    """Forget slots, breakers and waiting messages, so changed settings apply (tests)."""
     with _lock:
         _slots.clear()
         _breakers.clear()
+        _waiting.clear()
+        _waiting_tasks.clear()
 
 
 def _reset_after_fork() -> None:
@@ -287,6 +358,8 @@ def _reset_after_fork() -> None:
     _in_flight.clear()
     _threads.clear()
     _breakers.clear()
+    _waiting.clear()
+    _waiting_tasks.clear()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

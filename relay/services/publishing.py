@@ -285,7 +285,7 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
         failed_push_ids |= {item.push_id for item, _, _ in later_jobs}
     elif later_jobs:
         # A delayed send (a repeat publish inside its coalescing window) waits in the
-        # database until due; beat's sweep queues it (relay/services/deferred.py).
+        # database until due; the workers' sweep queues it (relay/services/deferred.py).
         try:
             _defer(later_jobs)
         except DatabaseError:
@@ -385,4 +385,5 @@ def _job(item: _Pending, *, coalesced: bool) -> queue.SendJob:
         pending_subscription_count=item.publish.pending_subscription_count,
         received=item.received.isoformat(),
         coalesced=coalesced,
+        app=item.registration.app_id,
     )

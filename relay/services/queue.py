@@ -44,6 +44,9 @@ class SendJob:
     folded: int = 0
     # When a dead letter was replayed (ISO time): the age limit counts from then.
     replayed: str = ""
+    # The registration's app (0: not known): a worker counts the messages waiting for its
+    # threads per app before it reads a registration (relay/services/provider_limits.py).
+    app: int = 0
 
     def to_message(self) -> dict[str, Any]:
         # Flat fields: cheaper than dataclasses.asdict, which deep-copies (a gateway hot spot).
@@ -56,6 +59,21 @@ class SendJob:
 
 
 _FIELD_NAMES = tuple(field.name for field in dataclasses.fields(SendJob))
+
+
+def apps_of(task: str, args: Any) -> set[int | None]:
+    """The apps whose sends a task message carries (None for a job that does not say);
+    empty for a task that sends nothing."""
+    try:
+        if task == SEND_PUSH:
+            return {args[0].get("app") or None}
+        if task == SEND_PUSHES:
+            return {job.get("app") or None for job in args[0]}
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return {None}
+    return set()
+
+
 # Celery writes a repr of the arguments into every message's headers for its logs and
 # monitors: formatting it (celery.utils.saferepr) is a cost per publish for nothing. The jobs
 # carry nothing a log needs; the worker logs push ids itself.

@@ -26,6 +26,7 @@ def send_test_push(*, registration: Registration, important: bool = True) -> Sen
             publishing_domain=registration.account_domain,
             important=important,
             received=timezone.now().isoformat(),
+            app=registration.app_id,
         )
     )
     log.info(

@@ -22,8 +22,8 @@ def deferred_jobs() -> list[DeferredJob]:
 
 
 def swept(condition: Callable[[], bool]) -> Callable[[], bool]:
-    """`condition`, checked after a sweep of the due deferred sends: beat's part, for tests
-    whose real workers defer sends (their app's threads busy) and that run no beat."""
+    """`condition`, checked after a sweep of the due deferred sends: for tests that need the
+    sweep at once rather than at the next round of a worker's own sweeper."""
 
     def check() -> bool:
         from relay.services import deferred

@@ -165,8 +165,8 @@ def worker_argv(
 
 
 def beat_argv(schedule: str, *, loglevel: str = "INFO") -> list[str]:
-    """The command line of beat (the Procfile's), its schedule in the file `schedule`: its
-    sweep queues the deferred sends (retries) once due."""
+    """The command line of beat (the Procfile's), its schedule in the file `schedule`:
+    housekeeping only (the workers sweep the deferred sends themselves)."""
     return [
         sys.executable, "-m", "celery", "-A", "pushsite", "beat",
         "--loglevel", loglevel, "--schedule", schedule,

@@ -12,7 +12,7 @@ transaction on a single host), so the gateway's hot path stays cheap:
   message counts, and is important if ANY folded publish was (a later silent publish never
   downgrades an important one: the user would miss the alert). Folded publishes are answered
   `result`: the pending send is already durably kept (a deferred send in the database,
-  relay/services/deferred.py, queued by beat's sweep at the window's end).
+  relay/services/deferred.py, queued by the workers' sweep at the window's end).
 
 The same stores keep the token buckets that limit new registrations (`take_tokens`: one
 token from several buckets, all or none, in one round trip; relay.services.registrations).
