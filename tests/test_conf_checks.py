@@ -153,6 +153,7 @@ def test_the_defaults_pass_the_web_process_check():
         ({"WEB_BIND": "port-8000"}, "relay.E130"),
         ({"WEB_BIND": "127.0.0.1:99999"}, "relay.E130"),
         ({"WEB_WORKERS": 0}, "relay.E131"),
+        ({"WEB_MAX_CONNECTIONS": 0}, "relay.E131"),
         ({"WEB_MAX_HEADERS": 5}, "relay.E132"),
         ({"WEB_MAX_REQUEST_LINE": 20000}, "relay.E132"),  # beyond the head's bytes
         ({"WEB_MAX_BODY_BYTES": 4096}, "relay.E132"),

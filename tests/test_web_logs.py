@@ -211,7 +211,9 @@ def _exercise(web: ServiceProcess, url: str) -> tuple[list[str], dict[str, int]]
         "query": _status(_request(port, "POST", f"/push/{token}?topic=x")),
         "percent": _status(_request(port, "POST", f"/push/v4%2Elocal.{payload}")),
         "percent get": _status(_request(port, "GET", f"/push/%76%34.local.{payload}")),
-        "percent twice": _status(_request(port, "POST", f"/push%252F{token}")),
+        "percent twice": _status(
+            _request(port, "POST", f"/push%252F{token.replace('.', '%252E')}")
+        ),
         "trailing slash": _status(_request(port, "GET", f"/push/{token}/")),
         "in headers": _status(
             _request(
