@@ -5,6 +5,17 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _static_root() -> None:
+    """STATIC_ROOT exists, as after `collectstatic` (WhiteNoise warns about a missing one in
+    every handler it is built into; `collected_static` fills it when a test needs files)."""
+    from pathlib import Path
+
+    from django.conf import settings
+
+    Path(settings.STATIC_ROOT).mkdir(parents=True, exist_ok=True)
+
+
 @pytest.fixture
 def component(db):
     from relay.models import App, Component, Tenant

@@ -563,6 +563,8 @@ def test_fake_runs_as_a_process(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
     assert proc.returncode == 0
 
 

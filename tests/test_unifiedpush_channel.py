@@ -140,6 +140,7 @@ class ListenerLab:
         asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 @pytest.fixture

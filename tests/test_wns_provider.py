@@ -399,7 +399,11 @@ def test_no_channel_uri_secret_or_token_in_logs_or_results(fake, provider, caplo
     fake.revoke_tokens()
     results.append(provider.send(wakeup(fake)))
     wrong = WnsConfig(fake.client_id, "wrong-secret", fake.token_url, (fake.host_pattern,))
-    results.append(WnsProvider(wrong, timeout=2).send(wakeup(fake)))
+    refused = WnsProvider(wrong, timeout=2)
+    try:
+        results.append(refused.send(wakeup(fake)))
+    finally:
+        refused.close()
 
     text = caplog.text + repr(results) + repr(provider._config)
     for secret in [fake.channel_uri("c1"), "c1-opaque", fake.client_secret, "wrong-secret",

@@ -138,15 +138,15 @@ class PrivateRabbit:
     def start(self, timeout: float = 90.0) -> PrivateRabbit:
         if self.running():
             return self
-        log = (self.logs / "console.log").open("ab")
-        self.process = subprocess.Popen(
-            [_binary("rabbitmq-server")],
-            env=self.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # our signals are ours, not the node's
-        )
+        with (self.logs / "console.log").open("ab") as log:  # the node keeps its own copy
+            self.process = subprocess.Popen(
+                [_binary("rabbitmq-server")],
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # our signals are ours, not the node's
+            )
         self.wait_ready(timeout)
         return self
 

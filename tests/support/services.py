@@ -289,28 +289,25 @@ class PrivateRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise ServiceError("redis-server not found: install redis-server (`make test` does)")
-        log = (self.workdir / "redis.log").open("ab")
-        self.process = subprocess.Popen(
-            [
-                binary,
-                "--bind",
-                LOOPBACK,
-                "--port",
-                str(self.port),
-                "--save",
-                "",
-                "--appendonly",
-                "yes" if self.durable else "no",
-                "--appendfsync",
-                "always",
-                "--dir",
-                str(self.workdir),
-                "--databases",
-                "16",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        argv = [
+            binary,
+            "--bind",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.durable else "no",
+            "--appendfsync",
+            "always",
+            "--dir",
+            str(self.workdir),
+            "--databases",
+            "16",
+        ]
+        with (self.workdir / "redis.log").open("ab") as log:  # the server keeps its own copy
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         _wait_for_port(self.port, timeout, "redis", self.workdir / "redis.log", self.process)
         return self
 

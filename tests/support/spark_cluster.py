@@ -45,15 +45,15 @@ class SparkStandalone:
         return f"spark://{LOOPBACK}:{self.port}"
 
     def _start(self, name: str, *args: str) -> None:
-        log = (self.workdir / f"{name}.log").open("ab")
-        self.processes.append(
-            subprocess.Popen(
-                [str(SPARK_HOME / "bin" / "spark-class"), *args],
-                env=spark_env(self.workdir),
-                stdout=log,
-                stderr=subprocess.STDOUT,
+        with (self.workdir / f"{name}.log").open("ab") as log:  # the child keeps its own copy
+            self.processes.append(
+                subprocess.Popen(
+                    [str(SPARK_HOME / "bin" / "spark-class"), *args],
+                    env=spark_env(self.workdir),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             )
-        )
 
     def start(self, timeout: float = 90.0) -> SparkStandalone:
         self._start(
