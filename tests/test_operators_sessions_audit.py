@@ -302,3 +302,24 @@ def test_a_failed_login_is_recorded_without_the_password():
     assert (entry.actor, entry.address, entry.user_id) == ("operator", "198.51.100.77", None)
     assert entry.object_repr == "operator" and entry.detail == "wrong password"
     assert "guess-123456" not in str(list(AuditEntry.objects.values()))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_deleting_a_staff_member_with_devices_is_recorded():
+    """Committed for real: the database checks its constraints at the commit."""
+    alpha = build_tenant("alpha")
+    staff = make_tenant_staff(alpha, "alpha-admin", every_permission=False)
+    verified_client(staff)  # gives them a device
+    operator_browser = verified_client(make_operator())
+    answer = operator_browser.post(
+        reverse("admin:auth_user_delete", args=[staff.pk]), {"post": "yes"}
+    )
+    assert answer.status_code == 302
+    assert not User.objects.filter(username="alpha-admin").exists()
+    deleted = set(
+        AuditEntry.objects.filter(action="deleted", actor="operator").values_list(
+            "object_type", "object_repr"
+        )
+    )
+    assert ("auth.user", "alpha-admin") in deleted
+    assert any(kind == "otp_static.staticdevice" for kind, _ in deleted)

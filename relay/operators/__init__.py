@@ -8,4 +8,11 @@
 - `services.sessions`: idle timeout, absolute lifetime, ending a staff member's sessions.
 - `middleware`: puts the request's actor in the audit context, ends stale sessions, and lets
   no admin page answer before the second step.
+
+Why django-otp and py_webauthn: django-otp is the device framework the Django admin's 2FA
+packages build on (a verified-session middleware, TOTP with replay protection and drift,
+recovery codes, per-device backoff) and leaves the login to the admin's own view, which
+django-axes already guards; django-allauth's MFA would replace the whole login, and
+django-two-factor-auth its own wizard. py_webauthn (Duo) verifies WebAuthn ceremonies with no
+framework attached, so passkeys are one small django-otp device here.
 """

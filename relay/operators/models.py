@@ -56,8 +56,13 @@ class SessionEpoch(models.Model):
     """Sessions of this user that began (or were last renewed) before `not_before` are over:
     "log out everywhere", a password or device change."""
 
+    # No database constraint: deleting a user removes their devices first, which ends their
+    # sessions (a row written while the user's own deletion is under way).
     user = models.OneToOneField(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="session_epoch"
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        db_constraint=False,
+        related_name="session_epoch",
     )
     not_before = models.DateTimeField()
 
