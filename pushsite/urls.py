@@ -1,16 +1,15 @@
 from django.contrib import admin
 from django.urls import path
 
-from relay import views
-from relay.windows.api.views import api as api_v1
+from relay import features, views
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
     path("metrics", views.metrics_view, name="metrics"),
-    # /api/v1/openapi.json is the schema, /api/v1/docs the interactive docs.
-    path("api/v1/", api_v1.urls),
-    # UnifiedPush's endpoints, message resources and Matrix push gateway are not Django's:
-    # the web server sends them to relay/unifiedpush/http.py (pushsite/server.py).
+    # The feature apps' URLs (the Windows API's /api/v1/).
+    *features.urlpatterns(),
+    # The feature apps' web resources (relay.features) are not Django's: the web server sends
+    # their paths to them (pushsite/server.py).
 ]
