@@ -1,8 +1,9 @@
 """The Celery app: workers run the send tasks that the gateway queues."""
 
 import os
+from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 
 from relay import broker
 
@@ -16,3 +17,13 @@ broker.register()
 app = Celery("pushsite")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@signals.import_modules.connect
+def _feature_beat_entries(sender: Any = None, **kwargs: Any) -> None:
+    """The feature apps' periodic tasks (relay.features: `beat_schedule`) join the core's
+    (CELERY_BEAT_SCHEDULE). Celery's Django fixup, connected before, has set Django up by
+    then; beat reads the schedule after this, when its scheduler starts."""
+    from relay import features
+
+    app.conf.beat_schedule = {**app.conf.beat_schedule, **features.beat_schedule()}

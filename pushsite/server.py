@@ -4,8 +4,9 @@ aiohttp's low-level HTTP/1.1 server (`aiohttp.web.Server`, its public interface)
 WEB_WORKERS processes forked from this one, each with one event loop (uvloop) and a pool of
 WEB_THREADS threads:
 
-- `/push/…` and `/_matrix/push/v1/notify` go to the UnifiedPush resource
-  (relay/unifiedpush/http.py) on the event loop: a POST waiting for the phone holds no thread;
+- the paths a feature app's web resource takes (relay.features: `web_resources`; UnifiedPush's
+  `/push/…` and `/_matrix/push/v1/notify`) go to it on the event loop: a POST waiting for the
+  phone holds no thread;
 - everything else goes to Django (pushsite/wsgi.py) through our WSGI bridge
   (pushsite/wsgi_bridge.py), on the thread pool.
 
@@ -129,8 +130,10 @@ class Limits:
 
 
 class Resource(Protocol):
-    """A route served on the event loop (relay.unifiedpush.http.PushResource)."""
+    """A route served on the event loop, for the paths `paths` matches whole (a feature
+    app's, relay.features.WebResource)."""
 
+    paths: re.Pattern[str]
     max_body_bytes: int
 
     def refusal(self, method: str, path: str, header: Header) -> Answer | None: ...
@@ -417,8 +420,7 @@ class Site:
         self,
         *,
         django: wsgi_bridge.WsgiApplication,
-        resource: Resource | None,
-        resource_paths: Any,
+        resources: Sequence[Resource],
         limits: Limits,
         threads: int,
         multiprocess: bool = True,
@@ -428,8 +430,7 @@ class Site:
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="web")
         self.django = django
         self.multiprocess = multiprocess
-        self.resource = resource
-        self.resource_paths = resource_paths
+        self.resources = tuple(resources)
         self.limits = limits
         self.stopping = False
         self.connections: set[Connection] = set()
@@ -529,9 +530,7 @@ class Site:
         method = request.method
         target, authority = origin_form(request.raw_path)
         path = unquote(target.partition("?")[0])
-        route = self.resource
-        if route is not None and not self.resource_paths.fullmatch(path):
-            route = None
+        route = next((r for r in self.resources if r.paths.fullmatch(path)), None)
         length = request.content_length
         if length is not None and length > self.limits.max_body_bytes:
             return (400, [_TEXT], b"body too large\n"), True
@@ -798,14 +797,12 @@ async def serve(
 
 def _site() -> Site:
     from pushsite.wsgi import application
-    from relay import conf
-    from relay.unifiedpush import http as unifiedpush_http
+    from relay import conf, features
 
     current = conf.current()
     site = Site(
         django=application,
-        resource=unifiedpush_http.PushResource(),
-        resource_paths=unifiedpush_http.PATHS,
+        resources=features.web_resources(),
         limits=Limits.from_conf(),
         threads=current.web_threads,
         multiprocess=current.web_workers > 1,

@@ -373,11 +373,8 @@ else:
 
 # --- Celery beat: periodic housekeeping (`celery -A pushsite beat`, see the Procfile).
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+# The core's; the feature apps add theirs when beat starts (pushsite/celery.py).
 CELERY_BEAT_SCHEDULE = {
-    "remove-stale-uwpx-devices": {
-        "task": "relay.remove_stale_uwpx_devices",
-        "schedule": ENV.uwpx_stale_check_seconds,
-    },
     "remove-unused-registrations": {
         "task": "relay.remove_unused_registrations",
         "schedule": ENV.registration_cleanup_seconds,

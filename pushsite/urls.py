@@ -1,19 +1,16 @@
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import path
 
-from relay import views
-from relay.windows.api.views import api as api_v1
+from relay import features, views
 
 urlpatterns = [
-    # The second step, enrolment and each staff member's security page (relay/operators).
-    path("admin/", include("relay.operators.urls")),
+    # The feature apps' URLs (relay.features), first: the second step's pages under admin/
+    # (relay.operators) come before the admin's own, then the Windows API's /api/v1/ and the
+    # UnifiedPush resource as runserver serves it (the web process answers those paths itself,
+    # pushsite/server.py).
+    *features.urlpatterns(),
     path("admin/", admin.site.urls),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
     path("metrics", views.metrics_view, name="metrics"),
-    # /api/v1/openapi.json is the schema, /api/v1/docs the interactive docs.
-    path("api/v1/", api_v1.urls),
-    # UnifiedPush's endpoints, message resources and Matrix push gateway: the web process
-    # answers them before Django (pushsite/server.py); these serve them under runserver.
-    path("", include("relay.unifiedpush.urls")),
 ]

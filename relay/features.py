@@ -1,4 +1,4 @@
-"""What the feature apps add to the core and the admin, found through
+"""What the feature apps add to the core, the admin, the web server and beat, found through
 their AppConfigs: the core loops over what is installed and never imports a feature.
 
 A feature app (relay.unifiedpush, relay.windows) names its parts as attributes of its
@@ -8,12 +8,20 @@ AppConfig, dotted paths imported when first asked for (after the apps are loaded
   serves it, loaded with the component by the gateway, its section of a component in
   `load_tenants`, and its snippet on the component's admin page;
 - `component_inlines`: admin inlines shown on the component's page;
+- `urlpatterns`: its Django URL patterns (a list, by dotted path), included by the site;
+- `web_resources`: routes the web process serves on its event loop (`WebResource`);
+- `beat_schedule`: a function returning its periodic tasks (Celery beat entries by name);
+- `state_metrics`: its gauges of /metrics read from the database at a scrape (`StateMetrics`);
+- `kept_registrations`: a filter (Q) of the registrations it removes by its own rule, which the
+  core's clean-up of unused registrations leaves alone;
 - `gateway_feature`: its part of the gateway (xmppgateway/features.py).
 """
 
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from django.apps import apps
@@ -21,6 +29,10 @@ from django.db import models
 from django.utils.module_loading import import_string
 
 from relay.models import Component
+
+Answer = tuple[int, list[tuple[str, str]], bytes]
+Header = Callable[[str], str | None]
+InThread = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
 class ComponentPart(Protocol):
@@ -44,6 +56,31 @@ class ComponentPart(Protocol):
 
     def snippet(self, component: Component) -> str:
         """What the operator and the users need to use it on this component ("" if none)."""
+        ...
+
+
+class WebResource(Protocol):
+    """A route the web process serves on its event loop (pushsite/server.py), for the paths
+    `paths` matches whole."""
+
+    paths: re.Pattern[str]
+    max_body_bytes: int
+
+    def refusal(self, method: str, path: str, header: Header) -> Answer | None: ...
+
+    async def answer(
+        self, method: str, path: str, header: Header, body: bytes, in_thread: InThread
+    ) -> Answer: ...
+
+
+class StateMetrics(Protocol):
+    """Gauges of a feature's stored state, read when the web process's /metrics is scraped
+    (relay/services/observability.py): in its database part, so an outage leaves them out."""
+
+    names: tuple[str, ...]
+
+    def read(self) -> list[Any]:
+        """prometheus_client metric families."""
         ...
 
 
@@ -71,3 +108,36 @@ def component_related_names() -> tuple[str, ...]:
 
 def component_inlines() -> list[type[Any]]:
     return [import_string(path) for path in _named("component_inlines")]
+
+
+def urlpatterns() -> list[Any]:
+    """The feature apps' Django URL patterns, which the site's URLconf includes."""
+    return [pattern for path in _named("urlpatterns") for pattern in import_string(path)]
+
+
+def web_resources() -> list[WebResource]:
+    """One instance of each feature's web resource (a web worker makes its own)."""
+    return [import_string(path)() for path in _named("web_resources")]
+
+
+def beat_schedule() -> dict[str, dict[str, Any]]:
+    """Every feature's beat entries (names are unique across the features and the core)."""
+    schedule: dict[str, dict[str, Any]] = {}
+    for path in _named("beat_schedule"):
+        entries: Mapping[str, dict[str, Any]] = import_string(path)()
+        schedule.update(entries)
+    return schedule
+
+
+def state_metrics() -> list[StateMetrics]:
+    return [import_string(path) for path in _named("state_metrics")]
+
+
+def state_gauge_names() -> set[str]:
+    """The names of the features' gauges (the core's: relay.metrics.STATE_GAUGES)."""
+    return {name for part in state_metrics() for name in part.names}
+
+
+def kept_registrations() -> list[models.Q]:
+    """Filters of the registrations the feature apps remove by their own rules."""
+    return [import_string(path) for path in _named("kept_registrations")]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from relay import metrics
+from relay import features, metrics
 
 RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 RULES = RULES_DIR / "push-relay.rules.yml"
@@ -72,7 +72,7 @@ def test_every_alert_is_shown_firing_and_quiet_by_a_unit_test():
 def defined_series() -> set[str]:
     """The series names our processes export: a counter's `_total`, a histogram's `_bucket`,
     `_sum` and `_count`, a gauge's own name, and the gauges read at scrape time."""
-    names: set[str] = set(metrics.STATE_GAUGES)
+    names: set[str] = set(metrics.STATE_GAUGES) | features.state_gauge_names()
     for collector in vars(metrics).values():
         if not isinstance(collector, MetricWrapperBase):
             continue

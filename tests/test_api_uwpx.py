@@ -720,12 +720,15 @@ def test_any_update_keeps_a_device_fresh_and_zero_days_keeps_all(client, app, se
 
 @pytest.mark.defaults
 def test_the_beat_schedule_runs_the_registered_stale_task(settings):
+    """The Windows app adds its entry to beat's schedule (relay.features), which beat reads
+    once its loader imported the task modules, as here."""
     from pushsite.celery import app as celery_app
 
-    entry = settings.CELERY_BEAT_SCHEDULE["remove-stale-uwpx-devices"]
+    assert "remove-stale-uwpx-devices" not in settings.CELERY_BEAT_SCHEDULE  # not the core's
     celery_app.loader.import_default_modules()
+    entry = celery_app.conf.beat_schedule["remove-stale-uwpx-devices"]
     assert entry["task"] in celery_app.tasks
-    assert entry["schedule"] > 0
+    assert entry["schedule"] == settings.RELAY["UWPX_STALE_CHECK_SECONDS"] > 0
 
 
 # --- schema and docs ----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay import metrics
+from relay import features, metrics
 from relay.models import App, DeadLetter, Outcome, Registration, Service
 from relay.services import dead_letters, delivery, queue, throttling
 from relay.services import provider_limits as limits
@@ -241,6 +241,37 @@ def test_web_metrics_show_the_stored_state_without_secrets(client, fcm_app):
         assert secret not in text, secret
 
 
+def test_web_metrics_show_the_feature_apps_gauges(client, fcm_app):
+    """The feature apps' gauges (relay.features: state_metrics) are read with the core's."""
+    from relay.unifiedpush.models import UnifiedPushMessage
+    from relay.windows.models import WnsDevice
+
+    component = fcm_app
+    for n in range(2):
+        WnsDevice.objects.create(
+            app_id=component.app_id,
+            device_id_hash=f"{n}" * 64,
+            channel_uri="https://db5.notify.windows.com/?token=secret",
+        )
+    now = timezone.now()
+    UnifiedPushMessage.objects.create(
+        tenant_id=component.tenant_id, component=component, endpoint_key="e", recipient_key="r",
+        received=now, expires=now, endpoint_expires=now, next_attempt=now, size=1, ttl=60,
+        sealed=b"x",
+    )  # fmt: skip
+    families = scrape(client)
+    assert features.state_gauge_names() == {
+        "relay_unifiedpush_stored_messages",
+        "relay_windows_devices",
+    }
+    [devices] = families["relay_windows_devices"]
+    assert devices.labels == {"tenant": "example", "app": "conversations"}
+    assert devices.value == 2
+    [stored] = families["relay_unifiedpush_stored_messages"]
+    assert stored.labels == {"tenant": "example"} and stored.value == 1
+    assert "secret" not in families["_text"]
+
+
 def test_the_metrics_token_is_required_once_set(client):
     with override_settings(RELAY={**settings.RELAY, "METRICS_TOKEN": "scrape-me"}):
         assert client.get("/metrics").status_code == 401
@@ -309,11 +340,15 @@ def test_the_dashboard_uses_every_metric_and_no_other():
         for expr in expressions
         for name in re.findall(r"\brelay_[a-z_]+", expr)
     }
-    defined = {
-        collector._name  # type: ignore[attr-defined]
-        for collector in vars(metrics).values()
-        if isinstance(collector, MetricWrapperBase)
-    } | set(metrics.STATE_GAUGES)
+    defined = (
+        {
+            collector._name  # type: ignore[attr-defined]
+            for collector in vars(metrics).values()
+            if isinstance(collector, MetricWrapperBase)
+        }
+        | set(metrics.STATE_GAUGES)
+        | features.state_gauge_names()
+    )
     assert used == defined
 
 

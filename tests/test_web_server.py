@@ -513,6 +513,7 @@ class _Resource:
     """A stand-in for the UnifiedPush resource that fails the way a bug would, or waits."""
 
     max_body_bytes = 4097
+    paths = re.compile(r"/push/.*")
 
     def __init__(self) -> None:
         self.holding = threading.Event()  # a request waits in /push/slow
@@ -568,7 +569,7 @@ class Worker:
 
     def site(self) -> server.Site:
         self.site_made = server.Site(
-            django=_django, resource=self.resource, resource_paths=re.compile(r"/push/.*"),
+            django=_django, resources=[self.resource],
             limits=self.limits, threads=2,
         )  # fmt: skip
         return self.site_made

@@ -7,6 +7,8 @@ class OperatorsConfig(AppConfig):
     name = "relay.operators"
     label = "operators"
     verbose_name = "Operators' security"
+    # What it adds to the site (relay.features): the second step's pages under admin/.
+    urlpatterns = "relay.operators.urls.site_urlpatterns"
 
     def ready(self) -> None:
         from relay.operators import receivers  # noqa: F401 -- connects the audit receivers

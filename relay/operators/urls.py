@@ -1,6 +1,6 @@
 """The second step's pages (open before it: `second-factor/...`) and the security page."""
 
-from django.urls import URLPattern, path
+from django.urls import URLPattern, URLResolver, include, path
 
 from relay.operators import views
 
@@ -20,3 +20,6 @@ urlpatterns: list[URLPattern] = [
     path("second-factor/passkey/new/", views.passkey_register, name="passkey_register"),
     path("security/", views.security, name="security"),
 ]
+
+# What the site includes (relay.features): these pages under admin/, before the admin's own.
+site_urlpatterns: list[URLResolver] = [path("admin/", include("relay.operators.urls"))]

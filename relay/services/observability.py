@@ -16,6 +16,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from relay import features
 from relay.models import App, DeadLetter, Registration, Tenant
 from relay.services import deferred
 
@@ -135,6 +136,8 @@ def read_state() -> list[Metric]:
         apps = _app_names()
         families += [_registrations(apps), _credential_expiry(), _dead_letters_pending(apps)]
         families += _deferred()
+        for part in features.state_metrics():  # the feature apps' (relay.features)
+            families += part.read()
         up.add_metric(["database"], 1)
     except DatabaseError as error:
         log.warning("metrics.database_unavailable", extra={"error_type": type(error).__name__})

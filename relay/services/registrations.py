@@ -22,7 +22,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
-from relay import conf, metrics
+from relay import conf, features, metrics
 from relay.conf import CountPerSeconds
 from relay.identifiers import account_hash, new_node, new_secret
 from relay.models import Component, DeadLetter, Delivery, Registration, Service, Tenant
@@ -251,7 +251,8 @@ def remove_unused_registrations(
     """Delete registrations that no publish ever reached within that many days of their last
     registration: no successful push, no delivery record, no dead letter. What a flood of
     register commands left behind goes; a phone that is still there registers again (and gets a
-    new node). Windows devices' accounts are left to their own rule (uwpx.remove_stale_devices).
+    new node). Registrations a feature app removes by its own rule are left to it
+    (relay.features: `kept_registrations`; the Windows devices' accounts, for one).
     0 or less disables the removal.
     """
     days = older_than_days
@@ -261,12 +262,12 @@ def remove_unused_registrations(
         return 0
     cutoff = (now or timezone.now()) - timedelta(days=days)
     unused = (
-        Registration.objects.filter(
-            last_push__isnull=True, wns_device__isnull=True, updated__lt=cutoff
-        )
+        Registration.objects.filter(last_push__isnull=True, updated__lt=cutoff)
         .exclude(Exists(Delivery.objects.filter(registration=OuterRef("pk"))))
         .exclude(Exists(DeadLetter.objects.filter(registration=OuterRef("pk"))))
     )
+    for kept in features.kept_registrations():
+        unused = unused.exclude(kept)
     removed = 0
     while batch := list(unused.order_by().values_list("id", flat=True)[:1000]):
         # Checked again in the DELETE: a push may have arrived since the batch was read.

@@ -14,6 +14,14 @@ class UnifiedPushConfig(AppConfig):
     # `unifiedpush` section, the snippet on the component's page) and their admin inline.
     component_part = "relay.unifiedpush.component.part"
     component_inlines = ("relay.unifiedpush.admin.ComponentSettingsInline",)
+    # The web process serves its endpoints, message resources and Matrix push gateway on its
+    # event loop (pushsite/server.py).
+    web_resources = ("relay.unifiedpush.http.PushResource",)
+    # The same paths in Django's URLs, for `manage.py runserver` (the web process answers
+    # them before Django).
+    urlpatterns = "relay.unifiedpush.urls.urlpatterns"
+    # Its gauges of /metrics (the messages waiting for phones).
+    state_metrics = ("relay.unifiedpush.metrics.state",)
 
     def ready(self) -> None:
         from relay.services import retention, tenancy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
+from django.db.models import Q
 from django.utils import timezone
 
 from relay import conf
@@ -13,6 +14,10 @@ from relay.services import lifecycle
 from relay.windows.models import WnsDevice
 
 log = logging.getLogger("relay.windows.services")
+
+# The devices' accounts go with their device (below), never by the core's rule for unused
+# registrations (relay.features: `kept_registrations`).
+KEPT_REGISTRATIONS = Q(wns_device__isnull=False)
 
 
 def remove_stale_devices(
