@@ -652,6 +652,18 @@ def test_a_stuck_provider_does_not_delay_another_tenant(lab: Lab) -> None:
     assert any("PROVIDER_STALLED" in reason for reason in a.dead_letters), a.line()
 
 
+def settle(lab: Lab) -> None:
+    """Wait for every publish's answer, then for every accepted push to settle."""
+
+    def answered() -> bool:
+        return all(len(t.answers()) >= len(t.sent) for t in lab.tenants.values())
+
+    with contextlib.suppress(TimeoutError):
+        wait_until(answered, timeout=30, interval=0.5)
+    with contextlib.suppress(TimeoutError):
+        wait_until(lab.settled, timeout=DRAIN_TIMEOUT, interval=1.0)
+
+
 def app_busy_after(worker: ServiceProcess, offset: int) -> int:
     """Sends a worker deferred for their app's busy threads (`delivery.app_busy`) past `offset`."""
     with worker.log_path.open("rb") as log:
@@ -673,8 +685,7 @@ def test_a_lone_tenants_burst_is_never_deferred(lab: Lab) -> None:
     [worker] = lab.workers
     started = time.time()
     alone.publish_stream(burst, None)
-    with contextlib.suppress(TimeoutError):
-        wait_until(lab.settled, timeout=DRAIN_TIMEOUT, interval=1.0)
+    settle(lab)
     first = report(lab, alone, "a lone tenant's burst of 480, 1 worker x 16 threads", started)
     print(first.line())
     with psycopg.connect(lab.database_url) as db:
@@ -691,8 +702,7 @@ def test_a_lone_tenants_burst_is_never_deferred(lab: Lab) -> None:
     time.sleep(1.0)
     alone.publish_stream(burst, None, start=burst)
     stream.join()
-    with contextlib.suppress(TimeoutError):
-        wait_until(lab.settled, timeout=DRAIN_TIMEOUT, interval=1.0)
+    settle(lab)
     a = report(lab, alone, "the same burst beside another tenant, tenant A", started)
     b = report(lab, other, "the same burst beside another tenant, tenant B (40/s)", started)
     waits = latencies(other)
@@ -802,6 +812,10 @@ def test_the_send_handed_to_a_worker_as_it_is_killed_is_not_lost(lab: Lab) -> No
     lab.start_worker()
     with contextlib.suppress(TimeoutError):
         wait_until(lambda: len(tenant.delivered()) == 2, timeout=30, interval=0.2)
+    # And recorded: the first push too may be sent again (the frozen worker had sent it but
+    # not yet written its Delivery row), its row written after the second send.
+    with contextlib.suppress(TimeoutError):
+        wait_until(lab.settled, timeout=30, interval=0.2)
     result = report(lab, tenant, "SIGKILL while the send is handed over", killed_at)
     result.recovery_seconds = result.drain_seconds
     check(result, lab, answered=2)
