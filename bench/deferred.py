@@ -181,6 +181,7 @@ def main() -> None:
     call_command("migrate", verbosity=0)
     from relay.models import App, Component, DeferredSend, Delivery, Registration, Service, Tenant
     from relay.services import throttling
+    from relay.services.credentials import records
     from relay.services.publishing import Publish, Verdict, accept_publishes
     from tests.support import broker
 
@@ -202,8 +203,9 @@ def main() -> None:
             app = App.objects.create(
                 tenant=tenant,
                 name=name,
-                fcm_service_account=fcm.sa_path.read_text(),
-                fcm_endpoint=fcm.url,
+            )
+            records.store(
+                app, "fcm", {"service_account": fcm.sa_path.read_text(), "endpoint": fcm.url}
             )
             Component.objects.create(
                 tenant=tenant, app=app, jid=f"{name}.localhost", secret="s", port=5347

@@ -402,6 +402,7 @@ def main() -> None:
     call_command("migrate", verbosity=0)
     from relay.models import App, Component, Tenant
     from relay.services import throttling
+    from relay.services.credentials import records
     from tests.support import broker
 
     broker.purge()
@@ -412,21 +413,31 @@ def main() -> None:
     load_before = os.getloadavg()
     try:
         tenant = Tenant.objects.create(name="bench", rate_limit_per_second=0)
-        app = App.objects.create(
-            tenant=tenant,
-            name="bench",
-            fcm_service_account=fakes.sa_path.read_text(),
-            fcm_endpoint=fakes.fcm_url,
-            apns_topic=fakes.apns["topic"],
-            apns_key=fakes.key_path.read_text(),
-            apns_key_id=fakes.apns["key_id"],
-            apns_team_id=fakes.apns["team_id"],
-            apns_endpoint=fakes.apns["endpoint"],
-            apns_ca_certificate=Path(fakes.apns["ca_file"]).read_text(),
-            wns_package_sid=fakes.wns["client_id"],
-            wns_secret=fakes.wns["client_secret"],
-            wns_token_url=fakes.wns["token_url"],
-            wns_channel_hosts=fakes.wns["host_pattern"],
+        app = App.objects.create(tenant=tenant, name="bench")
+        records.store(
+            app, "fcm", {"service_account": fakes.sa_path.read_text(), "endpoint": fakes.fcm_url}
+        )
+        records.store(
+            app,
+            "apns",
+            {
+                "topic": fakes.apns["topic"],
+                "key": fakes.key_path.read_text(),
+                "key_id": fakes.apns["key_id"],
+                "team_id": fakes.apns["team_id"],
+                "endpoint": fakes.apns["endpoint"],
+                "ca_certificate": Path(fakes.apns["ca_file"]).read_text(),
+            },
+        )
+        records.store(
+            app,
+            "wns",
+            {
+                "package_sid": fakes.wns["client_id"],
+                "secret": fakes.wns["client_secret"],
+                "token_url": fakes.wns["token_url"],
+                "channel_hosts": fakes.wns["host_pattern"],
+            },
         )
         component = Component.objects.create(
             tenant=tenant,

@@ -196,6 +196,7 @@ def main() -> None:
     call_command("migrate", verbosity=0)
     from relay.identifiers import new_node, new_secret
     from relay.models import App, Component, Registration, Service, Tenant
+    from relay.services.credentials import records
     from tests.support import broker
 
     broker.purge()
@@ -229,12 +230,8 @@ def main() -> None:
         tenant = Tenant.objects.create(
             name="bench", rate_limit_per_second=100_000, rate_limit_burst=100_000
         )
-        app = App.objects.create(
-            tenant=tenant,
-            name="bench",
-            fcm_service_account=sa_path.read_text(),
-            fcm_endpoint=fake_url,
-        )
+        app = App.objects.create(tenant=tenant, name="bench")
+        records.store(app, "fcm", {"service_account": sa_path.read_text(), "endpoint": fake_url})
 
         async def run() -> dict[str, object]:
             server = PacedComponentServer("push.bench", "bench-secret")

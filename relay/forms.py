@@ -13,31 +13,17 @@ from typing import Any, cast
 from django import forms
 from django.core.exceptions import ValidationError
 from django.core.files.uploadedfile import UploadedFile
-from django.db import models
+from django.forms.models import ModelFormMetaclass
 
+from relay.crypto import CredentialKeyError
 from relay.models import App
+from relay.providers.registry import PROVIDERS
+from relay.providers.spec import CredentialField, ProviderSpec
+from relay.services.credentials import records
 from relay.services.credentials.stored import credential_fingerprint
-from relay.services.credentials.validation import refresh_derived_fields, validate_credentials
+from relay.services.credentials.validation import form_name, problems
 
 MAX_UPLOAD_BYTES = 64 * 1024
-
-# The encrypted credentials: write-only in this form.
-SECRET_FIELDS = (
-    "fcm_service_account",
-    "apns_key",
-    "apns_certificate",
-    "apns_private_key",
-    "wns_secret",
-)
-PROVIDER_PREFIXES = ("fcm_", "apns_", "wns_")
-# The syntax of relay.providers.wns.parse_host_pattern (docs/windows-api.md).
-WNS_CHANNEL_HOSTS_HELP = (
-    "Where this app's channel URIs may point, one pattern per line; empty: the site default "
-    "(*.notify.windows.com). '*.example.com' allows its subdomains on port 443; a bare host "
-    "('wns.example.net', '127.0.0.1') allows the default port only (443, or 80 for http); "
-    "'host:8443' one port, 'host:*' any port. Plain http only for loopback hosts. A device "
-    "registering a channel outside these is refused."
-)
 
 
 class WriteOnlyTextarea(forms.Textarea):
@@ -82,36 +68,76 @@ def _clear(what: str) -> forms.BooleanField:
     return forms.BooleanField(label=f"Remove the stored {what}", required=False)
 
 
-class AppForm(forms.ModelForm):
-    fcm_service_account = _secret("Service account JSON")
-    fcm_service_account_file = _upload("… or upload it", ".json,application/json")
-    fcm_service_account_clear = _clear("service account")
-    apns_key = _secret(".p8 key (token auth)")
-    apns_key_file = _upload("… or upload it", ".p8,.pem")
-    apns_key_clear = _clear("key")
-    apns_certificate = _secret("Certificate, PEM (certificate auth)")
-    apns_certificate_file = _upload("… or upload it", ".pem,.crt,.cer")
-    apns_certificate_clear = _clear("certificate")
-    apns_private_key = _secret("Certificate's private key, PEM")
-    apns_private_key_file = _upload("… or upload it", ".pem,.key")
-    apns_private_key_clear = _clear("private key")
-    wns_secret = _secret("Client secret", multiline=False)
-    wns_secret_clear = _clear("client secret")
+def _credential_field(field: CredentialField) -> forms.Field:
+    """The Django form field for a provider's declared field (relay/providers/spec.py)."""
+    if field.secret:
+        return _secret(field.label, multiline=field.kind == "secret_text")
+    if field.kind == "bool":
+        return forms.BooleanField(label=field.label, required=False, help_text=field.help)
+    if field.kind == "url":
+        return HttpsURLField(label=field.label, required=False, help_text=field.help)
+    if field.kind in ("lines", "textarea"):
+        return forms.CharField(
+            label=field.label,
+            required=False,
+            help_text=field.help,
+            widget=forms.Textarea(attrs={"rows": 3}),
+        )
+    return forms.CharField(label=field.label, required=False, max_length=255, help_text=field.help)
+
+
+def _declared_fields() -> dict[str, forms.Field]:
+    """Every provider's fields, named `<service>_<field>`, with a secret's upload and clear."""
+    declared: dict[str, forms.Field] = {}
+    for spec in PROVIDERS:
+        for field in spec.fields:
+            name = form_name(spec, field)
+            declared[name] = _credential_field(field)
+            if field.secret and field.upload:
+                declared[f"{name}_file"] = _upload("… or upload it", field.upload)
+            if field.secret:
+                what = field.label.split(",")[0].split(" (")[0].lower()
+                declared[f"{name}_clear"] = _clear(what)
+        if spec.generate is not None:
+            declared[f"{spec.service}_generate"] = forms.BooleanField(
+                label="Generate new keys", required=False
+            )
+    return declared
+
+
+class _AppForm(forms.ModelForm):
+    """The app's own fields, and every provider's declared fields (added by `AppForm`)."""
 
     class Meta:
         model = App
         fields = "__all__"
-        field_classes = {"fcm_endpoint": HttpsURLField, "wns_token_url": HttpsURLField}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if "wns_channel_hosts" in self.fields:
-            self.fields["wns_channel_hosts"].help_text = WNS_CHANNEL_HOSTS_HELP
-        for name in SECRET_FIELDS:
-            stored = credential_fingerprint(getattr(self.instance, name))
-            base = cast("models.Field[Any, Any]", App._meta.get_field(name)).help_text
-            note = f"Stored: {stored}. Leave empty to keep it."
-            self.fields[name].help_text = f"{base} {note}" if base else note
+        self.credentials: dict[str, dict[str, Any]] = {}
+        self.stored: dict[str, dict[str, Any]] = {}
+        for spec in PROVIDERS:
+            self.stored[spec.service] = self._stored(spec)
+            for field in spec.fields:
+                name = form_name(spec, field)
+                if name not in self.fields:
+                    continue
+                value = self.stored[spec.service][field.name]
+                if field.secret:
+                    note = f"Stored: {credential_fingerprint(value)}. Leave empty to keep it."
+                    self.fields[name].help_text = f"{field.help} {note}" if field.help else note
+                elif value or field.kind == "bool":
+                    self.initial.setdefault(name, value)
+
+    def _stored(self, spec: ProviderSpec) -> dict[str, Any]:
+        """The stored values; secrets of a record no key decrypts are marked unreadable."""
+        if self.instance.pk is None:
+            return spec.complete({})
+        try:
+            return records.values_of(self.instance, spec.service)
+        except CredentialKeyError:
+            marker = records.unreadable_marker()
+            return {f.name: marker if f.secret else f.empty() for f in spec.fields}
 
     def clean_payload_options(self) -> Any:
         # An emptied JSON box means "the defaults", not SQL NULL in a NOT NULL column.
@@ -131,8 +157,8 @@ class AppForm(forms.ModelForm):
                 {f"{name}_file": "The file is not text (PEM or JSON expected)."}
             ) from None
 
-    def _resolve(self, name: str) -> str:
-        """What the field will hold: cleared, uploaded, pasted, or else the stored value."""
+    def _resolve(self, name: str, stored: Any) -> Any:
+        """What a secret will hold: cleared, uploaded, pasted, or else the stored value."""
         pasted = self.cleaned_data.get(name) or ""
         uploaded = self._upload_text(name) if f"{name}_file" in self.fields else ""
         if self.cleaned_data.get(f"{name}_clear"):
@@ -141,83 +167,86 @@ class AppForm(forms.ModelForm):
             return ""
         if pasted and uploaded:
             raise ValidationError({name: "Either paste the value or upload a file, not both."})
-        return pasted or uploaded or (getattr(self.instance, name) or "")
+        return pasted or uploaded or stored
+
+    def _touched(self, spec: ProviderSpec) -> bool:
+        prefix = f"{spec.service}_"
+        return any(name.startswith(prefix) for name in self.changed_data)
 
     def clean(self) -> dict[str, Any]:
         cleaned = cast(dict[str, Any], super().clean())  # a ModelForm's is never None
-        resolved = True
-        for name in SECRET_FIELDS:
-            try:
-                cleaned[name] = self._resolve(name)
-            except ValidationError as error:
-                self.add_error(None, error)
-                resolved = False
-        if not resolved:
-            return cleaned
-        values = {
-            field.name: cleaned[field.name]
-            if field.name in cleaned
-            else field.value_from_object(self.instance)
-            for field in App._meta.concrete_fields
-            if field.name.startswith(PROVIDER_PREFIXES)
-        }
-        try:
-            validate_credentials(values=values)
-        except ValidationError as error:
-            for field, messages in error.message_dict.items():
-                if field in self.errors:
-                    continue  # the field's own error says more
-                for message in messages:
-                    self.add_error(field if field in self.fields else None, message)
+        for spec in PROVIDERS:
+            if not self._touched(spec):
+                continue  # left alone: the stored record stays as it is
+            self._clean_provider(spec, cleaned)
         return cleaned
 
-    def save(self, commit: bool = True) -> App:
-        app = super().save(commit=False)
-        refresh_derived_fields(app=app)
-        if commit:
-            app.save()
-            self.save_m2m()  # set by save(commit=False): Django's _save_m2m
-        return app
+    def _clean_provider(self, spec: ProviderSpec, cleaned: dict[str, Any]) -> None:
+        stored = self.stored[spec.service]
+        values: dict[str, Any] = {}
+        for field in spec.fields:
+            name = form_name(spec, field)
+            if field.secret:
+                try:
+                    values[field.name] = self._resolve(name, stored[field.name])
+                except ValidationError as error:
+                    self.add_error(None, error)
+                    return
+            else:
+                value = cleaned.get(name)
+                values[field.name] = field.empty() if value is None else value
+        if spec.generate is not None and cleaned.get(f"{spec.service}_generate"):
+            values.update(spec.generate())
+        found = problems(spec.service, values)
+        for field_name, message in found.items():
+            name = form_name(spec, spec.field_named(field_name))
+            if name in self.errors:
+                continue  # the field's own error says more
+            self.add_error(name if name in self.fields else None, message)
+        if not found:
+            self.credentials[spec.service] = values
+
+    def _save_m2m(self) -> None:
+        """After the app is saved (the admin calls it through save_m2m): its credentials."""
+        super()._save_m2m()  # type: ignore[misc]
+        app: App = self.instance
+        records.forget(app)
+        for service, values in self.credentials.items():
+            records.store(app, service, values)
 
 
-def _secret_rows(name: str) -> tuple[str | tuple[str, ...], ...]:
-    if name == "wns_secret":
+# The admin's app form: the model's fields and every provider's (a new provider's fields
+# appear with its spec).
+AppForm = cast(
+    "type[_AppForm]",
+    ModelFormMetaclass("AppForm", (_AppForm,), {"__module__": __name__, **_declared_fields()}),
+)
+
+
+def _secret_rows(spec: ProviderSpec, field: CredentialField) -> tuple[str | tuple[str, ...], ...]:
+    name = form_name(spec, field)
+    if not field.upload:
         return (name, f"{name}_clear")
     return (name, (f"{name}_file", f"{name}_clear"))
 
 
+def _provider_fieldset(spec: ProviderSpec) -> tuple[str, dict[str, Any]]:
+    rows: list[str | tuple[str, ...]] = []
+    for field in spec.fields:
+        if field.secret:
+            rows.extend(_secret_rows(spec, field))
+        else:
+            rows.append(form_name(spec, field))
+    if spec.generate is not None:
+        rows.append(f"{spec.service}_generate")
+    options: dict[str, Any] = {"fields": tuple(rows)}
+    if spec.description:
+        options["description"] = spec.description
+    return spec.label, options
+
+
 APP_FIELDSETS: list[tuple[str | None, dict[str, Any]]] = [
     (None, {"fields": ("tenant", "name", "public_key")}),
-    (
-        "Firebase Cloud Messaging",
-        {"fields": (*_secret_rows("fcm_service_account"), "fcm_endpoint")},
-    ),
-    (
-        "Apple Push Notification service",
-        {
-            "fields": (
-                ("apns_topic", "apns_sandbox"),
-                *_secret_rows("apns_key"),
-                ("apns_key_id", "apns_team_id"),
-                *_secret_rows("apns_certificate"),
-                *_secret_rows("apns_private_key"),
-                "apns_endpoint",
-                "apns_ca_certificate",
-            ),
-            "description": "Token auth (a .p8 key with key id and team id) or certificate "
-            "auth (a certificate and its private key), not both.",
-        },
-    ),
-    (
-        "Windows Push Notification Services",
-        {
-            "fields": (
-                "wns_package_sid",
-                *_secret_rows("wns_secret"),
-                "wns_token_url",
-                "wns_channel_hosts",
-            )
-        },
-    ),
+    *(_provider_fieldset(spec) for spec in PROVIDERS),
     ("Payload", {"fields": ("payload_options",), "classes": ("collapse",)}),
 ]

@@ -15,6 +15,7 @@ from django.db.models import Q
 
 from relay.crypto import EncryptedTextField
 from relay.providers.base import Outcome
+from relay.providers.registry import PROVIDERS
 
 
 def new_public_key() -> str:
@@ -25,12 +26,10 @@ def new_public_key() -> str:
             return key
 
 
-class Service(models.TextChoices):
-    """The push providers a registration can be sent through."""
-
-    FCM = "fcm", "Firebase Cloud Messaging"
-    APNS = "apns", "Apple Push Notification service"
-    WNS = "wns", "Windows Push Notification Services"
+# The push providers a registration can be sent through: relay.providers.registry's table.
+Service = models.TextChoices(  # type: ignore[call-overload]
+    "Service", [(spec.service.upper(), (spec.service, spec.label)) for spec in PROVIDERS]
+)
 
 
 class Tenant(models.Model):
@@ -64,7 +63,8 @@ class Tenant(models.Model):
 
 
 class App(models.Model):
-    """A push app of a tenant (e.g. a Conversations build): the provider credentials live here."""
+    """A push app of a tenant (e.g. a Conversations build): its provider credentials are its
+    ProviderCredentials, one record per provider."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="apps")
     name = models.SlugField(max_length=100)
@@ -73,35 +73,6 @@ class App(models.Model):
         unique=True,
         default=new_public_key,
         help_text="Identifies the app in HTTP API URLs; not a secret.",
-    )
-    # FCM
-    fcm_service_account = EncryptedTextField(
-        blank=True, help_text="The Firebase service account JSON of this app."
-    )
-    fcm_endpoint = models.URLField(
-        blank=True, help_text="FCM base URL; empty means https://fcm.googleapis.com."
-    )
-    # APNs: token auth (key) or certificate auth (certificate + private key)
-    apns_topic = models.CharField(max_length=255, blank=True, help_text="The app's bundle id.")
-    apns_sandbox = models.BooleanField(default=False)
-    apns_key = EncryptedTextField(blank=True, help_text="The .p8 signing key (token auth).")
-    apns_key_id = models.CharField(max_length=32, blank=True)
-    apns_team_id = models.CharField(max_length=32, blank=True)
-    apns_certificate = EncryptedTextField(blank=True, help_text="PEM certificate (cert auth).")
-    apns_private_key = EncryptedTextField(blank=True, help_text="PEM key of the certificate.")
-    apns_certificate_not_after = models.DateTimeField(null=True, blank=True, editable=False)
-    apns_endpoint = models.CharField(
-        max_length=255, blank=True, help_text="host[:port]; empty follows the sandbox switch."
-    )
-    apns_ca_certificate = models.TextField(
-        blank=True, help_text="PEM trust store for the APNs endpoint; empty uses the system's."
-    )
-    # WNS
-    wns_package_sid = models.CharField(max_length=255, blank=True)
-    wns_secret = EncryptedTextField(blank=True)
-    wns_token_url = models.URLField(blank=True, help_text="Empty means login.live.com.")
-    wns_channel_hosts = models.TextField(
-        blank=True, help_text="Allowed channel URI hosts, one per line; empty: *.notify.windows.com"
     )
     # Payload shape per provider; empty means docs/protocols.md 1.4.
     payload_options = models.JSONField(default=dict, blank=True)
@@ -116,6 +87,35 @@ class App(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant.name}/{self.name}"
+
+
+class ProviderCredentials(models.Model):
+    """One app's credentials and settings for one provider, encrypted as one JSON object.
+
+    Which fields there are is the provider's business (its spec, relay/providers/<name>/);
+    relay.services.credentials reads, validates and writes them. A change replaces the record
+    (a new id), which is how a cached copy of the app learns it is stale.
+    """
+
+    app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="credentials")
+    service = models.CharField(max_length=8, choices=Service.choices)
+    values = EncryptedTextField(help_text="The provider's fields as a JSON object.")
+    not_after = models.DateTimeField(
+        null=True, blank=True, help_text="When a credential in it expires (a certificate)."
+    )
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "provider credentials"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["app", "service"], name="providercredentials_unique_service_per_app"
+            )
+        ]
+        indexes = [models.Index(fields=["not_after"])]
+
+    def __str__(self) -> str:
+        return f"{self.service} credentials of app {self.app_id}"
 
 
 class Component(models.Model):

@@ -32,6 +32,7 @@ from relay.models import (
     Tenant,
 )
 from relay.services import link_leases, usage
+from relay.services.credentials import records
 from relay.services.registrations import register_device
 from tests.fakes.fcm import make_service_account
 from tests.support.admin import (
@@ -101,7 +102,9 @@ def onboard(client: Client, name: str = "acme") -> tuple[Tenant, App, Component]
     assert response.status_code == 302, response.context["adminform"].form.errors
     assert response.url == reverse("admin:relay_tenant_change", args=[tenant.pk])
     app = App.objects.get(tenant=tenant)
-    assert json.loads(app.fcm_service_account)["project_id"] == f"{name}-prj"
+    assert json.loads(records.values_of(app, "fcm")["service_account"])["project_id"] == (
+        f"{name}-prj"
+    )
 
     add_component = reverse("admin:relay_component_add") + f"?tenant={tenant.pk}&app={app.pk}"
     assert add_component.replace("&", "&amp;") in client.get(response.url).content.decode()
@@ -211,7 +214,8 @@ def test_tenant_staff_never_read_a_credential(client):
     assert component.secret not in text
     assert "&lt;the component secret&gt;" in text
     app_page = staff_client.get(reverse("admin:relay_app_change", args=[app.pk])).content.decode()
-    assert json.loads(app.fcm_service_account)["private_key"].splitlines()[1] not in app_page
+    stored = json.loads(records.values_of(app, "fcm")["service_account"])
+    assert stored["private_key"].splitlines()[1] not in app_page
     # The secret-regenerating action is the operator's.
     assert (
         "regenerate_secret"

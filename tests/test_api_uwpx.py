@@ -19,6 +19,7 @@ from relay.services.publishing import Publish, Verdict, accept_publish
 from relay.windows import services as uwpx
 from relay.windows.models import WnsDevice
 from tests.support.processes import ROOT
+from tests.support.provider_fakes import change_credentials
 from tests.uwpx_examples import (
     SEED_ERROR,
     SEED_SET_ACCOUNTS,
@@ -766,7 +767,7 @@ def test_a_bare_host_pattern_allows_the_default_port_only_and_the_refusal_says_s
     """`127.0.0.1` as a channel host matches port 80/443 only: a channel on another port is
     refused when it is registered (422, saying how to write the pattern), not dead-lettered
     at every push."""
-    App.objects.filter(pk=app.pk).update(wns_channel_hosts="127.0.0.1")
+    change_credentials(app, "wns", channel_hosts="127.0.0.1")
     channel = "http://127.0.0.1:8080/wns/channel?token=abc"
     error = assert_error(
         post(client, app, channel_message(channel=channel)),
@@ -777,16 +778,16 @@ def test_a_bare_host_pattern_allows_the_default_port_only_and_the_refusal_says_s
     )
     assert channel not in error  # the refusal never echoes the capability
     assert not WnsDevice.objects.exists()
-    App.objects.filter(pk=app.pk).update(wns_channel_hosts="127.0.0.1:8080")
+    change_credentials(app, "wns", channel_hosts="127.0.0.1:8080")
     assert post(client, app, channel_message(channel=channel)).status_code == 200
-    App.objects.filter(pk=app.pk).update(wns_channel_hosts="127.0.0.1:*")
+    change_credentials(app, "wns", channel_hosts="127.0.0.1:*")
     assert post(client, app, channel_message(channel=channel)).status_code == 200
 
 
 @pytest.mark.defaults
 def test_accounts_are_refused_for_a_channel_the_app_may_no_longer_send_to(client, app):
     assert post(client, app, channel_message()).status_code == 200
-    App.objects.filter(pk=app.pk).update(wns_channel_hosts="*.wns.example.net")
+    change_credentials(app, "wns", channel_hosts="*.wns.example.net")
     assert_error(
         post(client, app, accounts_message("alice@example.org")),
         409,

@@ -1,4 +1,4 @@
-"""aioapns' undocumented names that relay/providers/apns_connection.py relies on, checked against
+"""aioapns' undocumented names that relay/providers/apns/connection.py relies on, checked against
 the installed aioapns with its own classes (not ours) and the HTTP/2 fake of Apple.
 
 Each test fails when aioapns stops using a name the way the adapter assumes: then the adapter
@@ -20,7 +20,7 @@ from aioapns.common import NotificationResult
 from aioapns.connection import APNsTLSClientProtocol, JWTAuthorizationHeaderProvider
 from aioapns.exceptions import ConnectionClosed
 
-from relay.providers import apns_connection
+from relay.providers.apns import connection as apns_connection
 from tests.fakes.apns import FakeApns
 from tests.support.provider_fakes import APNS_TOPIC, start_apns
 from tests.support.waiting import async_wait_until

@@ -23,10 +23,11 @@ from django.utils import timezone
 
 from relay import checks, crypto
 from relay.forms import AppForm
-from relay.models import App, Tenant
+from relay.models import App, ProviderCredentials, Tenant
 from relay.providers.base import Outcome, Wakeup
+from relay.providers.registry import PROVIDERS
 from relay.services import provider_registry as registry
-from relay.services.credentials import keys, selectors, stored, validation
+from relay.services.credentials import keys, records, selectors, stored, validation
 from tests.fakes.apns import (
     FakeApns,
     make_client_certificate,
@@ -35,6 +36,7 @@ from tests.fakes.apns import (
 )
 from tests.fakes.fcm import FakeFcm, make_service_account, new_private_key_pem
 from tests.fakes.wns import FakeWns
+from tests.support.provider_fakes import change_credentials
 
 KEY_A = Fernet.generate_key().decode()
 KEY_B = Fernet.generate_key().decode()
@@ -42,7 +44,6 @@ KEY_C = Fernet.generate_key().decode()
 TOPIC = "org.example.app"
 WNS_SID = "ms-app://s-1-15-2-1111111111-2222222222-3333333333"
 WNS_SECRET = "wns-Secret-" + secrets.token_urlsafe(12)
-SECRET_COLUMNS = ("fcm_service_account", "apns_key", "apns_certificate", "apns_private_key")
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +72,50 @@ def _fresh_registry():
     registry.close_all()
 
 
-def raw_row(app: App, columns: tuple[str, ...] = (*SECRET_COLUMNS, "wns_secret")) -> dict:
+def raw_row(app: App) -> dict:
+    """The stored (encrypted) credentials record of each of the app's providers."""
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {', '.join(columns)} FROM relay_app WHERE id = %s", [app.pk])
-        return dict(zip(columns, cursor.fetchone(), strict=True))
+        cursor.execute(
+            'SELECT service, "values" FROM relay_providercredentials WHERE app_id = %s',
+            [app.pk],
+        )
+        return dict(cursor.fetchall())
 
 
 def make_app(tenant: Tenant, name: str = "conversations", **fields) -> App:
-    return App.objects.create(tenant=tenant, name=name, **fields)
+    """An app with credentials stored as given (by their admin form names), not validated."""
+    not_after = fields.pop("apns_certificate_not_after", None)
+    app = App.objects.create(tenant=tenant, name=name)
+    for spec in PROVIDERS:
+        own = {
+            field.name: fields[validation.form_name(spec, field)]
+            for field in spec.fields
+            if validation.form_name(spec, field) in fields
+        }
+        if own:
+            records.store(app, spec.service, own)
+    if not_after is not None:
+        ProviderCredentials.objects.create(
+            app=app, service="apns", values="{}", not_after=not_after
+        )
+    return App.objects.get(pk=app.pk)
+
+
+def stored_fields(pk: int) -> dict:
+    """The app's stored credentials by admin form name; secrets of a record no configured
+    key decrypts are UnreadableCredential."""
+    app = App.objects.get(pk=pk)
+    found: dict = {}
+    for spec in PROVIDERS:
+        try:
+            values = records.values_of(app, spec.service)
+        except crypto.CredentialKeyError:
+            raw = records.records(app)[spec.service].values
+            values = {f.name: raw if f.secret else f.empty() for f in spec.fields}
+        found.update({validation.form_name(spec, f): values[f.name] for f in spec.fields})
+    record = records.records(app).get("apns")
+    found["apns_certificate_not_after"] = record.not_after if record is not None else None
+    return found
 
 
 def pem_of(key) -> str:
@@ -110,27 +147,18 @@ def test_stored_credentials_are_encrypted_in_the_database(tenant, p8, service_ac
         wns_secret=WNS_SECRET,
     )
     raw = raw_row(app)
-    plain = {
-        "fcm_service_account": json.loads(service_account_json)["private_key"],
-        "apns_key": p8,
-        "apns_certificate": certificate,
-        "apns_private_key": key,
-        "wns_secret": WNS_SECRET,
-    }
-    for column, value in raw.items():
-        assert value.startswith(crypto.PREFIX), column
-        assert value != plain[column]
-    for column in ("apns_key", "apns_certificate", "apns_private_key"):
-        assert secret_marker(plain[column]) not in raw[column]
-    assert secret_marker(plain["fcm_service_account"]) not in raw["fcm_service_account"]
-    assert "private_key" not in raw["fcm_service_account"]
-    assert WNS_SECRET not in raw["wns_secret"]
-    assert "BEGIN" not in "".join(raw.values())
+    assert set(raw) == {"fcm", "apns", "wns"}
+    for service, value in raw.items():
+        assert value.startswith(crypto.PREFIX), service
+    text = "".join(raw.values())
+    for pem in (p8, certificate, key, json.loads(service_account_json)["private_key"]):
+        assert secret_marker(pem) not in text
+    assert "private_key" not in text and WNS_SECRET not in text and "BEGIN" not in text
 
-    loaded = App.objects.get(pk=app.pk)
-    assert loaded.apns_key == p8
-    assert loaded.wns_secret == WNS_SECRET
-    assert json.loads(loaded.fcm_service_account)["project_id"] == "project-x"
+    loaded = stored_fields(app.pk)
+    assert loaded["apns_key"] == p8
+    assert loaded["wns_secret"] == WNS_SECRET
+    assert json.loads(loaded["fcm_service_account"])["project_id"] == "project-x"
 
 
 @pytest.mark.defaults
@@ -138,19 +166,30 @@ def test_any_configured_key_decrypts_and_an_unknown_key_is_reported_not_raised(t
     with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_A]}):
         app = make_app(tenant, apns_key=p8, apns_key_id="KEYID12345", apns_team_id="TEAMID1234")
     with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B, KEY_A]}):
-        assert App.objects.get(pk=app.pk).apns_key == p8
+        assert stored_fields(app.pk)["apns_key"] == p8
     with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B]}):
         loaded = App.objects.get(pk=app.pk)  # loading the row must not crash
-        assert isinstance(loaded.apns_key, crypto.UnreadableCredential)
-        assert p8 not in repr(loaded.apns_key)
-        assert "cannot be decrypted" in stored.credential_fingerprint(loaded.apns_key)
-        loaded.apns_topic = TOPIC
+        raw = stored_fields(app.pk)["apns_key"]
+        assert isinstance(raw, crypto.UnreadableCredential)
+        assert p8 not in repr(raw)
+        assert "cannot be decrypted" in stored.credential_fingerprint(raw)
         with pytest.raises(registry.NotConfigured) as caught:
             registry.provider_for(loaded, "apns")
         assert caught.value.code == "APNS_CREDENTIALS_UNREADABLE"
-        loaded.save()  # saving other fields keeps the stored ciphertext as it was
+        # Saving the app's other fields keeps the stored ciphertext as it was.
+        form = AppForm(
+            data={
+                "tenant": str(tenant.pk),
+                "name": "renamed",
+                "public_key": loaded.public_key,
+                "payload_options": "{}",
+            },
+            instance=loaded,
+        )
+        assert form.is_valid(), form.errors
+        form.save()
     with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_A]}):
-        assert App.objects.get(pk=app.pk).apns_key == p8
+        assert stored_fields(app.pk)["apns_key"] == p8
 
 
 @pytest.mark.defaults
@@ -162,7 +201,7 @@ def test_rotation_reencrypts_everything_so_the_old_key_can_go(tenant, p8, servic
         before = raw_row(first)
 
     with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B, KEY_A]}):
-        assert keys.credential_key_status().rotation_pending == 3
+        assert keys.credential_key_status().rotation_pending == 3  # three records
         out = io.StringIO()
         call_command("rotate_credentials", stdout=out)
         assert "re-encrypted 3 " in out.getvalue()
@@ -173,11 +212,11 @@ def test_rotation_reencrypts_everything_so_the_old_key_can_go(tenant, p8, servic
         assert "re-encrypted 0 " in out.getvalue()
 
     after = raw_row(first)
-    assert after["apns_key"] != before["apns_key"]
+    assert after["apns"] != before["apns"]
     with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B]}):
-        assert App.objects.get(pk=first.pk).apns_key == p8
-        assert App.objects.get(pk=first.pk).wns_secret == WNS_SECRET
-        assert App.objects.get(pk=second.pk).fcm_service_account == service_account_json
+        assert stored_fields(first.pk)["apns_key"] == p8
+        assert stored_fields(first.pk)["wns_secret"] == WNS_SECRET
+        assert stored_fields(second.pk)["fcm_service_account"] == service_account_json
         # The plain values did not change: no provider needs rebuilding.
         assert {app.pk: app.updated for app in App.objects.all()} == updated
 
@@ -190,26 +229,31 @@ def test_rotation_never_overwrites_a_credential_saved_meanwhile(tenant, monkeypa
 
     def decrypt_while_an_operator_saves(stored: str) -> str:
         # The admin saves a new secret between rotation's read and its write.
-        App.objects.filter(pk=app.pk).update(wns_secret="new-secret")
+        ProviderCredentials.objects.filter(app=app, service="wns").update(
+            values=json.dumps({"package_sid": WNS_SID, "secret": "new-secret"})
+        )
         return real_decrypt(stored)
 
     with override_settings(RELAY={**settings.RELAY, "CREDENTIAL_KEYS": [KEY_B, KEY_A]}):
         monkeypatch.setattr(crypto, "decrypt", decrypt_while_an_operator_saves)
         assert keys.rotate_credentials() == 0
         monkeypatch.setattr(crypto, "decrypt", real_decrypt)
-        assert App.objects.get(pk=app.pk).wns_secret == "new-secret"
+        assert stored_fields(app.pk)["wns_secret"] == "new-secret"
 
 
 @pytest.mark.defaults
 def test_plain_legacy_values_are_read_and_rotated(tenant):
     app = make_app(tenant, wns_package_sid=WNS_SID)
+    plain = json.dumps({"package_sid": WNS_SID, "secret": WNS_SECRET})
     with connection.cursor() as cursor:
-        cursor.execute("UPDATE relay_app SET wns_secret = %s WHERE id = %s", [WNS_SECRET, app.pk])
-    assert App.objects.get(pk=app.pk).wns_secret == WNS_SECRET
+        cursor.execute(
+            'UPDATE relay_providercredentials SET "values" = %s WHERE app_id = %s', [plain, app.pk]
+        )
+    assert stored_fields(app.pk)["wns_secret"] == WNS_SECRET
     assert keys.credential_key_status().rotation_pending == 1
     assert keys.rotate_credentials() == 1
-    assert raw_row(app, ("wns_secret",))["wns_secret"].startswith(crypto.PREFIX)
-    assert App.objects.get(pk=app.pk).wns_secret == WNS_SECRET
+    assert raw_row(app)["wns"].startswith(crypto.PREFIX)
+    assert stored_fields(app.pk)["wns_secret"] == WNS_SECRET
 
 
 def check_ids() -> set[str]:
@@ -233,10 +277,7 @@ def test_system_check_reports_unreadable_values_and_pending_rotation(tenant, p8)
 
 @pytest.mark.defaults
 def test_system_check_warns_about_an_expiring_certificate(tenant):
-    app = make_app(tenant)
-    App.objects.filter(pk=app.pk).update(
-        apns_certificate_not_after=timezone.now() + timedelta(days=5)
-    )
+    make_app(tenant, apns_certificate_not_after=timezone.now() + timedelta(days=5))
     assert "relay.W003" in check_ids()
 
 
@@ -276,11 +317,11 @@ def test_form_saves_valid_credentials(tenant, p8, service_account_json):
         )
     )
     assert form.is_valid(), form.errors
-    app = App.objects.get(pk=form.save().pk)
-    assert app.apns_key.strip() == p8.strip()
-    assert app.wns_secret == WNS_SECRET
-    assert json.loads(app.fcm_service_account)["project_id"] == "project-x"
-    assert app.apns_certificate_not_after is None
+    app = stored_fields(form.save().pk)
+    assert app["apns_key"].strip() == p8.strip()
+    assert app["wns_secret"] == WNS_SECRET
+    assert json.loads(app["fcm_service_account"])["project_id"] == "project-x"
+    assert app["apns_certificate_not_after"] is None
 
 
 def expired_pair() -> tuple[str, str]:
@@ -435,16 +476,19 @@ def test_empty_inputs_keep_stored_secrets_and_clear_removes_one(tenant, p8, serv
     assert form.is_valid(), form.errors
     assert "apns_key" not in form.changed_data
     form.save()
-    kept = App.objects.get(pk=app.pk)
-    assert (kept.apns_key, kept.wns_secret) == (p8, WNS_SECRET)
-    assert kept.fcm_service_account == service_account_json
+    kept = stored_fields(app.pk)
+    assert (kept["apns_key"], kept["wns_secret"]) == (p8, WNS_SECRET)
+    assert kept["fcm_service_account"] == service_account_json
 
-    form = AppForm(data={**data, "fcm_service_account_clear": "on"}, instance=kept)
+    form = AppForm(
+        data={**data, "fcm_service_account_clear": "on"}, instance=App.objects.get(pk=app.pk)
+    )
     assert form.is_valid(), form.errors
     form.save()
-    cleared = App.objects.get(pk=app.pk)
-    assert cleared.fcm_service_account == ""
-    assert cleared.apns_key == p8
+    cleared = stored_fields(app.pk)
+    assert cleared["fcm_service_account"] == ""
+    assert cleared["apns_key"] == p8
+    assert set(raw_row(app)) == {"apns", "wns"}  # nothing left of FCM: its record is gone
 
     form = AppForm(
         data={**data, "apns_key_clear": "on", "apns_key": p8}, instance=App.objects.get(pk=app.pk)
@@ -467,7 +511,7 @@ def test_form_asks_for_a_credential_no_configured_key_decrypts(tenant):
         form = AppForm(data={**data, "wns_secret": "re-entered"}, instance=stored)
         assert form.is_valid(), form.errors
         form.save()
-        assert App.objects.get(pk=app.pk).wns_secret == "re-entered"
+        assert stored_fields(app.pk)["wns_secret"] == "re-entered"
 
 
 @pytest.mark.defaults
@@ -481,10 +525,10 @@ def test_form_takes_uploaded_files_and_records_the_certificate_expiry(tenant):
     }
     form = AppForm(data=form_data(tenant, apns_topic=TOPIC), files=files)
     assert form.is_valid(), form.errors
-    app = App.objects.get(pk=form.save().pk)
-    assert json.loads(app.fcm_service_account)["project_id"] == "uploaded"
-    assert app.apns_private_key == key.strip()
-    not_after = app.apns_certificate_not_after
+    app = stored_fields(form.save().pk)
+    assert json.loads(app["fcm_service_account"])["project_id"] == "uploaded"
+    assert app["apns_private_key"] == key.strip()
+    not_after = app["apns_certificate_not_after"]
     assert not_after is not None
     assert timedelta(days=360) < not_after - timezone.now() < timedelta(days=366)
 
@@ -541,8 +585,6 @@ def test_admin_shows_fingerprints_and_warns_before_the_certificate_expires(
         wns_package_sid=WNS_SID,
         wns_secret=WNS_SECRET,
     )
-    validation.refresh_derived_fields(app=app)
-    app.save()
 
     page = client.get(f"/admin/relay/app/{app.pk}/change/")
     assert page.status_code == 200
@@ -568,7 +610,7 @@ def test_admin_saves_a_new_service_account_without_showing_it(
     data.update(name=app.name, public_key=app.public_key)
     response = client.post(f"/admin/relay/app/{app.pk}/change/", data)
     assert response.status_code == 302, response.content.decode()[:2000]
-    assert App.objects.get(pk=app.pk).fcm_service_account == service_account_json
+    assert stored_fields(app.pk)["fcm_service_account"] == service_account_json
     html = client.get(f"/admin/relay/app/{app.pk}/change/").content.decode()
     assert secret_marker(json.loads(service_account_json)["private_key"]) not in html
     assert "FCM project: project-x" in html
@@ -598,9 +640,7 @@ def test_a_credentials_change_takes_effect_on_the_next_send(tenant, fake_fcm):
     assert first.send(wakeup("fcm-token-1")).outcome == Outcome.DELIVERED
     assert registry.provider_for(App.objects.get(pk=app.pk), "fcm") is first
 
-    app = App.objects.get(pk=app.pk)
-    app.fcm_service_account = json.dumps(account_b)
-    app.save()
+    change_credentials(App.objects.get(pk=app.pk), "fcm", service_account=json.dumps(account_b))
 
     second = registry.provider_for(App.objects.get(pk=app.pk), "fcm")
     assert second is not first
@@ -643,14 +683,13 @@ def test_registry_builds_wns_with_channel_hosts_from_the_app_or_the_settings(ten
         )
         assert result.error_code == "CHANNEL_HOST_NOT_ALLOWED"
 
-        app.wns_channel_hosts = f"{fake.host_pattern}\n*.notify.windows.com"
-        app.save()
+        change_credentials(app, "wns", channel_hosts=f"{fake.host_pattern}\n*.notify.windows.com")
         provider = registry.provider_for(App.objects.get(pk=app.pk), "wns")
         assert provider.send(wakeup(fake.channel_uri("one"))).outcome == Outcome.DELIVERED
 
         registry.close_all()
         settings.RELAY = {**settings.RELAY, "WNS_CHANNEL_HOSTS": [fake.host_pattern]}
-        App.objects.filter(pk=app.pk).update(wns_channel_hosts="")
+        change_credentials(App.objects.get(pk=app.pk), "wns", channel_hosts="")
         provider = registry.provider_for(App.objects.get(pk=app.pk), "wns")
         assert provider.send(wakeup(fake.channel_uri("two"))).outcome == Outcome.DELIVERED
         assert len(fake.requests_for("two")) == 1
@@ -691,9 +730,7 @@ def test_credentials_turning_bad_drop_the_cached_provider(tenant, fake_fcm):
     account = fake_fcm.service_account("project-c")
     app = make_app(tenant, fcm_service_account=json.dumps(account), fcm_endpoint=fake_fcm.url)
     first = registry.provider_for(App.objects.get(pk=app.pk), "fcm")
-    App.objects.filter(pk=app.pk).update(
-        fcm_service_account="{}", updated=timezone.now() + timedelta(seconds=1)
-    )
+    change_credentials(App.objects.get(pk=app.pk), "fcm", service_account="{}")
     with pytest.raises(registry.NotConfigured):
         registry.provider_for(App.objects.get(pk=app.pk), "fcm")
     assert first.send(wakeup("fcm-token")).error_code == "CLOSED"
@@ -741,8 +778,7 @@ def test_a_running_worker_uses_new_credentials_without_restart(
     try:
         send()
         wait_until(lambda: fake_fcm.send_count >= 1, timeout=30)
-        app.fcm_service_account = json.dumps(account_b)
-        app.save()
+        change_credentials(app, "fcm", service_account=json.dumps(account_b))
         send()
         wait_until(lambda: fake_fcm.send_count >= 2, timeout=30)
         assert worker.alive()

@@ -27,6 +27,7 @@ from tests.fakes.wns import FakeReply, FakeWns
 from tests.support.broker import queued_jobs_with_eta
 from tests.support.deferred import deferred_jobs
 from tests.support.provider_fakes import (
+    change_credentials,
     configure_apns,
     configure_fcm,
     configure_wns,
@@ -382,8 +383,7 @@ def test_an_everyday_batch_writes_its_bookkeeping_in_one_round_trip(
 def test_unconfigured_provider_is_a_dead_letter(component, fakes):
     registration = make_registration(component, Service.APNS, fakes)
     app = component.app
-    app.apns_key = ""
-    app.save()
+    change_credentials(app, "apns", key="")
     job = make_job(registration)
     assert delivery.deliver(job) == Outcome.FAILED
     assert DeadLetter.objects.get(push_id=job.push_id).reason == "failed: APNS_NOT_CONFIGURED"
@@ -405,8 +405,7 @@ def test_an_app_edited_between_two_deliveries_is_seen_by_the_next(component, fak
     assert first.message["data"] == {"account": registration.device_hash}
     assert second.message["data"] == {"edited": registration.device_hash}
 
-    app.fcm_service_account = ""  # credentials removed
-    app.save()
+    change_credentials(app, "fcm", service_account="")  # credentials removed
     job = make_job(registration)
     assert delivery.deliver(job) == Outcome.FAILED
     assert DeadLetter.objects.get(push_id=job.push_id).reason == "failed: FCM_NOT_CONFIGURED"

@@ -29,6 +29,7 @@ import yaml
 from cryptography.fernet import Fernet
 
 from relay.environment import Environment
+from relay.services.credentials import records
 from tests.support.ports import LOOPBACK, free_port
 from tests.support.processes import ROOT, ServiceProcess
 from tests.support.rabbitmq import PrivateRabbit
@@ -527,8 +528,11 @@ def test_tenants_example_is_a_complete_document_load_tenants_accepts(tmp_path):
     assert not Tenant.objects.exists()
     call_command("load_tenants", str(example), stdout=out)
     app = App.objects.get(name="conversations")
-    assert app.fcm_service_account and app.apns_key and app.apns_topic == "eu.siacs.conversations"
-    assert App.objects.get(name="uwpx").wns_secret == "the-wns-client-secret"
+    assert records.values_of(app, "fcm")["service_account"]
+    assert records.values_of(app, "apns")["key"]
+    assert records.values_of(app, "apns")["topic"] == "eu.siacs.conversations"
+    uwpx = App.objects.get(name="uwpx")
+    assert records.values_of(uwpx, "wns")["secret"] == "the-wns-client-secret"
     component = Component.objects.get(jid="push.example.org")
     assert component.host == "xmpp.example.org"
     assert component.unifiedpush_settings.endpoint_url == "https://push.example.org"

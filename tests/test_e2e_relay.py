@@ -20,6 +20,7 @@ from relay.report_models import PublishTally
 from tests.fakes.fcm import FakeFcm
 from tests.support import broker
 from tests.support.processes import start_gateway, start_worker, test_database_url
+from tests.support.provider_fakes import configure
 from tests.support.proxy import TcpProxy
 from tests.support.waiting import holds_for, wait_until
 
@@ -43,8 +44,12 @@ class Relay:
         self.app = App.objects.create(
             tenant=tenant,
             name="conversations",
-            fcm_service_account=json.dumps(fake_fcm.service_account()),
-            fcm_endpoint=fake_fcm.url,
+        )
+        configure(
+            self.app,
+            "fcm",
+            service_account=json.dumps(fake_fcm.service_account()),
+            endpoint=fake_fcm.url,
         )
         self.component = Component.objects.create(
             tenant=tenant,

@@ -17,6 +17,7 @@ from relay.models import App, Component, ComponentLink, Delivery, Registration, 
 from relay.windows import services as uwpx
 from tests.fakes.wns import FakeWns
 from tests.support.processes import start_gateway, start_worker
+from tests.support.provider_fakes import configure_wns
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -52,11 +53,8 @@ def windows_relay(fake_wns):
         app = App.objects.create(
             tenant=tenant,
             name="uwpx",
-            wns_package_sid=fake_wns.client_id,
-            wns_secret=fake_wns.client_secret,
-            wns_token_url=fake_wns.token_url,
-            wns_channel_hosts=fake_wns.host_pattern,
         )
+        configure_wns(app, fake_wns)
         component = Component.objects.create(
             tenant=tenant,
             app=app,

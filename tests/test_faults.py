@@ -57,6 +57,7 @@ from tests.support.processes import (
     start_gateway,
     worker_argv,
 )
+from tests.support.provider_fakes import configure
 from tests.support.rabbitmq import PrivateRabbit, PrivateRabbitCluster
 from tests.support.services import PrivatePostgres, PrivateRedis
 from tests.support.waiting import wait_until
@@ -128,9 +129,13 @@ def _django_main(action: str) -> None:
         app = App.objects.create(
             tenant=tenant,
             name="app",
-            fcm_service_account=json.dumps(spec["service_account"]),
-            fcm_endpoint=spec["fcm_url"],
             payload_options={"fcm": {"push_id_key": "push_id"}},  # the push id on the wire
+        )
+        configure(
+            app,
+            "fcm",
+            service_account=json.dumps(spec["service_account"]),
+            endpoint=spec["fcm_url"],
         )
         component = Component.objects.create(
             tenant=tenant, app=app, jid=spec["jid"], secret=SECRET, port=spec["port"]

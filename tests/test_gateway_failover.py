@@ -32,6 +32,7 @@ from relay.models import (
 )
 from tests.fakes.fcm import FakeFcm
 from tests.support.processes import ServiceProcess, start_gateway, start_worker
+from tests.support.provider_fakes import configure
 from tests.support.waiting import wait_until
 from tests.support.xmpp_client import RawXmppStream
 
@@ -129,9 +130,8 @@ def make_relay(prosody_port: int, fake: FakeFcm) -> dict[str, list[tuple[str, st
     app = App.objects.create(
         tenant=tenant,
         name="conversations",
-        fcm_service_account=json.dumps(fake.service_account()),
-        fcm_endpoint=fake.url,
     )
+    configure(app, "fcm", service_account=json.dumps(fake.service_account()), endpoint=fake.url)
     nodes: dict[str, list[tuple[str, str]]] = {}
     for jid, secret in PUSH_COMPONENTS:
         component = Component.objects.create(

@@ -25,7 +25,7 @@ from relay.unifiedpush.models import UnifiedPushDelivery
 from relay.windows import services as uwpx
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeWns
-from tests.support.provider_fakes import configure_fcm, configure_wns
+from tests.support.provider_fakes import change_credentials, configure_fcm, configure_wns
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -113,8 +113,7 @@ def test_removing_a_dead_registration_changes_no_live_count(component):
 def test_windows_devices_log_created_renewed_and_removed(component):
     with FakeWns() as wns:
         configure_wns(component.app, wns)
-    component.app.wns_channel_hosts = "*.notify.windows.com"
-    component.app.save()
+    change_credentials(component.app, "wns", channel_hosts="*.notify.windows.com")
     app = component.app
     device = "d" * 64
     uwpx.set_channel_uri(app=app, device_id=device, channel_uri=CHANNEL.format(1))

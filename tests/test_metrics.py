@@ -32,6 +32,7 @@ from tests.support.processes import (
     start_web,
     start_worker,
 )
+from tests.support.provider_fakes import configure
 from tests.support.rabbitmq import PrivateRabbit
 from tests.support.services import PrivatePostgres, PrivateRedis
 from tests.support.waiting import wait_until
@@ -89,8 +90,9 @@ def processes(prosody, fake_fcm, tmp_path):
     app = App.objects.create(
         tenant=tenant,
         name="conversations",
-        fcm_service_account=json.dumps(fake_fcm.service_account()),
-        fcm_endpoint=fake_fcm.url,
+    )
+    configure(
+        app, "fcm", service_account=json.dumps(fake_fcm.service_account()), endpoint=fake_fcm.url
     )
     component = Component.objects.create(
         tenant=tenant,

@@ -22,7 +22,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from relay import features, metrics
-from relay.models import App, DeadLetter, Outcome, Registration, Service
+from relay.models import App, DeadLetter, Outcome, ProviderCredentials, Registration, Service
 from relay.services import dead_letters, delivery, queue, throttling
 from relay.services import provider_limits as limits
 from relay.services import provider_registry as registry
@@ -202,8 +202,11 @@ def test_web_metrics_show_the_stored_state_without_secrets(client, fcm_app):
     alive = register(component, "dev-1", "tok-secret-1")
     dead = register(component, "dev-2", "tok-secret-2")
     Registration.objects.filter(pk=dead.pk).update(dead_since=timezone.now())
-    App.objects.filter(pk=component.app_id).update(
-        apns_certificate_not_after=timezone.now() + timedelta(days=10)
+    ProviderCredentials.objects.create(
+        app_id=component.app_id,
+        service="apns",
+        values="{}",
+        not_after=timezone.now() + timedelta(days=10),
     )
     DeadLetter.objects.create(
         push_id=str(uuid.uuid4()),

@@ -17,7 +17,8 @@ from django.db import connection
 from django.utils import timezone
 
 from relay import crypto
-from relay.models import App, Component, Tenant
+from relay.models import App, Component, ProviderCredentials, Tenant
+from relay.services.credentials.records import values_of as values
 from relay.services.provisioning import ProvisioningError, load_tenants
 from tests.fakes.apns import (
     CertificateAuthority,
@@ -89,21 +90,25 @@ def test_loading_twice_creates_then_changes_nothing(files):
     assert second.counts == {"tenant unchanged": 1, "app unchanged": 1, "component unchanged": 1}
     assert App.objects.get(pk=app.pk).updated == updated
 
-    assert app.apns_key == (files / "keys" / "AuthKey_ABC123DEFG.p8").read_text().strip()
-    assert (app.apns_key_id, app.apns_team_id, app.apns_topic) == (
+    apns, wns, fcm = (values(app, service) for service in ("apns", "wns", "fcm"))
+    assert apns["key"] == (files / "keys" / "AuthKey_ABC123DEFG.p8").read_text().strip()
+    assert (apns["key_id"], apns["team_id"], apns["topic"]) == (
         "ABC123DEFG",
         "TEAM123456",
         TOPIC,
     )
-    assert app.apns_sandbox is False
-    assert app.apns_endpoint == "https://api.push.apple.com"
-    assert app.apns_ca_certificate == (files / "apns-ca.pem").read_text().strip()
-    assert (app.wns_package_sid, app.wns_secret) == (WNS_SID, WNS_SECRET)
-    assert app.wns_channel_hosts.splitlines() == ["*.notify.windows.com", "wns.example.net"]
-    assert json.loads(app.fcm_service_account)["project_id"] == "provisioned"
+    assert apns["sandbox"] is False
+    assert apns["endpoint"] == "https://api.push.apple.com"
+    assert apns["ca_certificate"] == (files / "apns-ca.pem").read_text().strip()
+    assert (wns["package_sid"], wns["secret"]) == (WNS_SID, WNS_SECRET)
+    assert wns["channel_hosts"].splitlines() == ["*.notify.windows.com", "wns.example.net"]
+    assert json.loads(fcm["service_account"])["project_id"] == "provisioned"
     with connection.cursor() as cursor:
-        cursor.execute("SELECT apns_key, wns_secret FROM relay_app WHERE id = %s", [app.pk])
-        raw_key, raw_secret = cursor.fetchone()
+        query = 'SELECT "values" FROM relay_providercredentials WHERE app_id = %s AND service = %s'
+        cursor.execute(query, [app.pk, "apns"])
+        [raw_key] = cursor.fetchone()
+        cursor.execute(query, [app.pk, "wns"])
+        [raw_secret] = cursor.fetchone()
     assert raw_key.startswith(crypto.PREFIX) and "PRIVATE KEY" not in raw_key
     assert raw_secret.startswith(crypto.PREFIX) and WNS_SECRET not in raw_secret
 
@@ -112,7 +117,7 @@ def test_a_changed_credential_updates_the_app(files):
     load_tenants(document(), base_dir=files)
     report = load_tenants(document(**{WNS_SECRET: "rotated-secret"}), base_dir=files)
     assert report.counts["app updated"] == 1
-    assert App.objects.get(name="conversations").wns_secret == "rotated-secret"
+    assert values(App.objects.get(name="conversations"), "wns")["secret"] == "rotated-secret"
 
 
 def test_switching_apns_to_certificate_auth_removes_the_key_and_records_expiry(files):
@@ -130,10 +135,12 @@ def test_switching_apns_to_certificate_auth_removes_the_key_and_records_expiry(f
     )
     assert load_tenants(text, base_dir=files).counts["app updated"] == 1
     app = App.objects.get(name="conversations")
-    assert (app.apns_key, app.apns_key_id, app.apns_team_id) == ("", "", "")
-    assert app.apns_certificate == certificate.strip()
-    assert app.apns_private_key == key.strip()
-    assert timedelta(days=360) < app.apns_certificate_not_after - timezone.now()
+    apns = values(app, "apns")
+    assert (apns["key"], apns["key_id"], apns["team_id"]) == ("", "", "")
+    assert apns["certificate"] == certificate.strip()
+    assert apns["private_key"] == key.strip()
+    not_after = app.credentials.get(service="apns").not_after
+    assert timedelta(days=360) < not_after - timezone.now()
     assert load_tenants(text, base_dir=files).counts["app unchanged"] == 1
 
 
@@ -141,7 +148,7 @@ def test_sections_left_out_keep_what_is_stored(files):
     load_tenants(document(), base_dir=files)
     minimal = "tenants:\n  - name: example\n    apps:\n      - name: conversations\n"
     assert load_tenants(minimal, base_dir=files).counts["app unchanged"] == 1
-    assert App.objects.get(name="conversations").wns_secret == WNS_SECRET
+    assert values(App.objects.get(name="conversations"), "wns")["secret"] == WNS_SECRET
 
 
 def p384_pem() -> str:
@@ -299,9 +306,9 @@ def test_wns_secret_can_come_from_a_file(files):
         """
     )
     load_tenants(text, base_dir=files)
-    app = App.objects.get(name="windows")
-    assert app.wns_secret == "from-a-file"
-    assert app.wns_channel_hosts == ""  # the site default applies
+    wns = values(App.objects.get(name="windows"), "wns")
+    assert wns["secret"] == "from-a-file"
+    assert wns["channel_hosts"] == ""  # the site default applies
 
 
 def test_load_tenants_and_the_admin_form_share_the_component_secret_rule(files):
@@ -336,7 +343,7 @@ def everything() -> list[tuple[object, ...]]:
     """Every stored value of every tenant, app and component, to compare before and after."""
     return [
         tuple(row.values())
-        for model in (Tenant, App, Component)
+        for model in (Tenant, App, ProviderCredentials, Component)
         for row in model.objects.order_by("pk").values()
     ]
 
@@ -411,9 +418,9 @@ def test_a_dry_run_refuses_a_bad_document_as_loading_does(files):
 
 def test_a_long_or_multiline_value_is_reported_as_changed_without_its_text(files):
     load_tenants(document(), base_dir=files)
-    stored = App.objects.get().apns_ca_certificate
+    stored = values(App.objects.get(), "apns")["ca_certificate"]
     (files / "apns-ca.pem").write_text(CertificateAuthority.create("Another CA").pem)
     report = load_tenants(document(), base_dir=files, dry_run=True)
     [app] = [change for change in report.changes if change.kind == "app"]
     assert app.describe() == "app example/conversations: updated (apns_ca_certificate: changed)"
-    assert App.objects.get().apns_ca_certificate == stored
+    assert values(App.objects.get(), "apns")["ca_certificate"] == stored

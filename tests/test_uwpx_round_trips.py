@@ -15,6 +15,7 @@ from relay.models import App, Registration, Tenant
 from relay.windows import services as uwpx
 from relay.windows.models import WnsDevice
 from relay.windows.services import AccountRef, ErrorKind, UwpxError, batch, identifiers, sql
+from tests.support.provider_fakes import change_credentials
 
 DEVICE_ID = "5486bd868050a620141f4e81c9f1d2c67ab0de27e5e26d218ca41c9394ee806b"
 CHANNEL = "https://db5p.notify.windows.com/?token=AwYAAAD8sXKQxmVlUmNhQ%2bjNMKn6"
@@ -101,7 +102,7 @@ def test_a_removed_app_is_unknown_at_once(app):
 def test_narrowed_channel_hosts_refuse_a_channel_the_kept_app_allowed(app):
     kept = uwpx.app_for_key(public_key=app.public_key)
     uwpx.set_channel_uri(app=kept, device_id=DEVICE_ID, channel_uri=CHANNEL)
-    App.objects.filter(pk=app.pk).update(wns_channel_hosts="*.example.org")
+    change_credentials(app, "wns", channel_hosts="*.example.org")
     with pytest.raises(UwpxError) as refused:
         uwpx.set_channel_uri(app=kept, device_id="ab" * 32, channel_uri=CHANNEL)
     assert refused.value.kind is ErrorKind.INVALID

@@ -14,6 +14,7 @@ import pytest
 from relay.models import App, Component, Registration, Service, Tenant
 from tests.support.component_server import STANZAS_NS, FakeXmppServer, error_of
 from tests.support.processes import start_gateway
+from tests.support.provider_fakes import change_credentials
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db(transaction=True)]
 
@@ -35,7 +36,8 @@ def link() -> Iterator[tuple[FakeXmppServer, App]]:
     server = FakeXmppServer(COMPONENT, SECRET)
     tenant = Tenant.objects.create(name="windows")
     # A bare host: it allows the default port only (80 for http on loopback).
-    app = App.objects.create(tenant=tenant, name="app", wns_channel_hosts="127.0.0.1")
+    app = App.objects.create(tenant=tenant, name="app")
+    change_credentials(app, "wns", channel_hosts="127.0.0.1")
     Component.objects.create(
         tenant=tenant, app=app, jid=COMPONENT, secret=SECRET, host="127.0.0.1", port=server.port
     )
@@ -71,7 +73,7 @@ def test_an_unsendable_wns_channel_is_refused_at_registration(link):
     assert error_of(command(server, "fcm", "register-push-fcm", "fcm-token")) is None
 
     # Once the operator allows the port, the same registration completes.
-    App.objects.filter(pk=app.pk).update(wns_channel_hosts="127.0.0.1:8080")
+    change_credentials(app, "wns", channel_hosts="127.0.0.1:8080")
     reply = command(server, "allowed", "register-push-wns", CHANNEL)
     assert error_of(reply) is None
     assert Registration.objects.filter(service=Service.WNS, token=CHANNEL).count() == 1

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from slixmpp.jid import JID, InvalidJID
 
 from relay.models import Component, Service
+from relay.providers.registry import spec_for
 from relay.services import channels, publishing, registrations
 from xmppgateway.stanzas import (
     COMMANDS_NS,
@@ -222,13 +223,15 @@ def command(ctx: LinkContext, request: Request) -> Outcome:
     except BadRequest as bad:
         return error(*BAD_REQUEST, str(bad))
     device_id = (fields.get("device-id") or fields.get("android-id") or "").strip()
-    token = fields.get("token", "").strip()
     if not device_id:
         return error(*BAD_REQUEST, "device-id is required")
     device = _Device(str(sender.bare), device_id, room)
     if spec.action == "register":
-        if not token:
-            return error(*BAD_REQUEST, "token is required")
+        try:
+            # The provider's registration form (relay/providers/<name>/spec.py).
+            token = spec_for(spec.service).registration.token(fields)
+        except ValueError as bad:
+            return error(*BAD_REQUEST, str(bad))
         return _register(ctx, name, session_id, spec.service, device, token)
     return _unregister(ctx, name, session_id, spec.service, device)
 

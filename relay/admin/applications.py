@@ -6,7 +6,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
-from django.db.models import QuerySet
+from django.db.models import Min, QuerySet
 from django.http import (
     HttpRequest,
     HttpResponse,
@@ -67,7 +67,9 @@ class AppAdmin(TenantScopedAdmin):
             .annotate(
                 registration_count=count_subquery(Registration.objects.all(), "app"),
                 day_count=count_subquery(pushes_since(24), "app"),
+                first_expiry=Min("credentials__not_after"),
             )
+            .prefetch_related("credentials")
         )
 
     @admin.display(description="credentials")
@@ -76,9 +78,10 @@ class AppAdmin(TenantScopedAdmin):
             mark_safe("<br>"), "{}: {}", credential_selectors.credential_summary(app=obj)
         )
 
-    @admin.display(description="APNs certificate", ordering="apns_certificate_not_after")
+    @admin.display(description="certificate", ordering="first_expiry")
     def certificate_expiry(self, obj: App) -> str:
-        not_after = obj.apns_certificate_not_after
+        first = credential_selectors.first_expiry(app=obj)
+        not_after = first[1] if first is not None else None
         if not not_after or not credential_selectors.expiry_warning(app=obj):
             return ""
         verb = "expired" if not_after <= timezone.now() else "expires"

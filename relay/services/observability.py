@@ -17,7 +17,7 @@ from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from relay import features
-from relay.models import App, DeadLetter, Registration, Tenant
+from relay.models import App, DeadLetter, ProviderCredentials, Registration, Tenant
 from relay.services import deferred
 
 log = logging.getLogger(__name__)
@@ -54,14 +54,14 @@ def _credential_expiry() -> GaugeMetricFamily:
         labels=["tenant", "app", "credential"],
     )
     now = timezone.now()
-    rows = App.objects.filter(apns_certificate_not_after__isnull=False).values_list(
-        "tenant__name", "name", "apns_certificate_not_after"
+    rows = ProviderCredentials.objects.filter(not_after__isnull=False).values_list(
+        "app__tenant__name", "app__name", "service", "not_after"
     )
-    for tenant, app, not_after in rows:
+    for tenant, app, service, not_after in rows:
         if not_after is None:  # filtered out above; the type cannot know it
             continue
         family.add_metric(
-            [tenant, app, "apns_certificate"], round((not_after - now).total_seconds())
+            [tenant, app, f"{service}_certificate"], round((not_after - now).total_seconds())
         )
     return family
 

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from datetime import datetime
-from typing import TypeVar
+from typing import Any
 
 from relay import conf
 from relay.crypto import CredentialKeyError
-from relay.models import App, Service
-from relay.providers import payloads
+from relay.models import App
 from relay.providers.base import PushProvider
-from relay.services.credentials import configs
-from relay.services.credentials.stored import CredentialsMissing
+from relay.providers.registry import BY_SERVICE
+from relay.providers.spec import BuildContext, ProviderSpec
+from relay.services.credentials import records
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class NotConfigured(Exception):
@@ -33,83 +31,44 @@ class NotConfigured(Exception):
         self.code = code
 
 
-def _configured(app: App, prefix: str, build: Callable[[], PushProvider]) -> PushProvider:
-    """Build a provider, turning any credentials problem into NotConfigured with a code.
+def _setting(name: str) -> Any:
+    """A site setting a provider falls back to (relay.environment declares it)."""
+    return getattr(conf.current(), name)
+
+
+def build(app: App, spec: ProviderSpec) -> PushProvider:
+    """The app's client for this provider, or NotConfigured with a code saying why:
 
     `<P>_NOT_CONFIGURED`: nothing stored; `<P>_CREDENTIALS_UNREADABLE`: no configured
-    CREDENTIAL_KEYS entry decrypts them; `<P>_BAD_CREDENTIALS`: they do not validate.
+    CREDENTIAL_KEYS entry decrypts them; `<P>_BAD_CREDENTIALS`: they do not validate;
+    `<P>_BAD_PAYLOAD_OPTIONS`: the app's payload options for it do not.
     """
+    extra = {"provider": spec.service, "app": app.pk}
     try:
-        return build()
-    except CredentialsMissing as error:
-        raise NotConfigured(f"{prefix}_NOT_CONFIGURED") from error
+        payload = spec.payload(app.payload_options)
+    except ValueError as error:
+        log.warning("registry.bad_payload_options", extra={"provider": spec.service})
+        raise NotConfigured(f"{spec.code}_BAD_PAYLOAD_OPTIONS") from error
+    try:
+        values = records.values_of(app, spec.service)
     except CredentialKeyError as error:
-        log.error(
-            "registry.credentials_unreadable", extra={"provider": prefix.lower(), "app": app.pk}
-        )
-        raise NotConfigured(f"{prefix}_CREDENTIALS_UNREADABLE") from error
-    except ValueError as error:
-        log.warning("registry.bad_credentials", extra={"provider": prefix.lower(), "app": app.pk})
-        raise NotConfigured(f"{prefix}_BAD_CREDENTIALS") from error
-
-
-def _payload(prefix: str, parse: Callable[[object], T], app: App) -> T:
-    """The app's payload shape for one provider (relay/providers/payloads.py)."""
-    try:
-        return parse(app.payload_options)
-    except ValueError as error:
-        log.warning("registry.bad_payload_options", extra={"provider": prefix.lower()})
-        raise NotConfigured(f"{prefix}_BAD_PAYLOAD_OPTIONS") from error
-
-
-def _timeout() -> float:
-    """Every provider's HTTP timeout (RELAY_PROVIDER_TIMEOUT_SECONDS)."""
-    return conf.current().provider_timeout_seconds
-
-
-def _build_fcm(app: App) -> PushProvider:
-    from relay.providers.fcm import FcmProvider
-
-    payload = _payload("FCM", payloads.fcm_payload, app)
+        log.error("registry.credentials_unreadable", extra=extra)
+        raise NotConfigured(f"{spec.code}_CREDENTIALS_UNREADABLE") from error
+    if not spec.configured(values):
+        raise NotConfigured(f"{spec.code}_NOT_CONFIGURED")
     current = conf.current()
-    # The provider is Django-free: the CA bundle's settings reach it from here.
-    ca_bundle = current.requests_ca_bundle or current.curl_ca_bundle
-    return _configured(
-        app,
-        "FCM",
-        lambda: FcmProvider(
-            configs.fcm_config(app=app), timeout=_timeout(), payload=payload, ca_bundle=ca_bundle
-        ),
+    context = BuildContext(
+        timeout=current.provider_timeout_seconds,
+        payload=payload,
+        setting=_setting,
+        var_dir=current.var_dir,
     )
+    try:
+        return spec.build(values, context)
+    except ValueError as error:
+        log.warning("registry.bad_credentials", extra=extra)
+        raise NotConfigured(f"{spec.code}_BAD_CREDENTIALS") from error
 
-
-def _build_apns(app: App) -> PushProvider:
-    from relay.providers.apns import ApnsProvider
-
-    payload = _payload("APNS", payloads.apns_payload, app)
-    return _configured(
-        app,
-        "APNS",
-        lambda: ApnsProvider(configs.apns_config(app=app), timeout=_timeout(), payload=payload),
-    )
-
-
-def _build_wns(app: App) -> PushProvider:
-    from relay.providers.wns import WnsProvider
-
-    payload = _payload("WNS", payloads.wns_payload, app)
-    return _configured(
-        app,
-        "WNS",
-        lambda: WnsProvider(configs.wns_config(app=app), timeout=_timeout(), payload=payload),
-    )
-
-
-BUILDERS: dict[str, Callable[[App], PushProvider]] = {
-    Service.FCM: _build_fcm,
-    Service.APNS: _build_apns,
-    Service.WNS: _build_wns,
-}
 
 _lock = threading.Lock()
 _cache: dict[tuple[int, str], tuple[datetime, PushProvider]] = {}
@@ -133,7 +92,7 @@ def apps(versions: dict[int, datetime]) -> dict[int, App]:
         else:
             missing.add(app_id)
     if missing:
-        loaded = App.objects.in_bulk(missing)
+        loaded = App.objects.prefetch_related("credentials").in_bulk(missing)
         _apps.update(loaded)
         found.update(loaded)
     return found
@@ -152,12 +111,12 @@ def provider_for(app: App, service: str) -> PushProvider:
             cached = _cache.get(key)
             if cached is not None and cached[0] == app.updated:
                 return cached[1]
-            builder = BUILDERS.get(service)
-            if builder is None:
+            spec = BY_SERVICE.get(service)
+            if spec is None:
                 raise NotConfigured(f"{service.upper()}_NOT_SUPPORTED")
             if cached is not None:
                 stale = _cache.pop(key)[1]
-            provider = builder(app)
+            provider = build(app, spec)
             _cache[key] = (app.updated, provider)
             return provider
     finally:

@@ -5,7 +5,8 @@ applying the same file twice changes nothing. The whole file applies, or nothing
 run applies it inside a transaction that is then rolled back: the same code and the same
 checks decide what it reports, and nothing is kept.
 
-An app's `fcm`, `apns` and `wns` sections hold its provider credentials; files are read
+An app's provider sections (one per provider, named like it: `fcm`, `apns`, `wns`, ...) hold
+its credentials, the fields its spec declares (relay/providers/<name>/spec.py); files are read
 relative to the YAML's folder and validated by `relay.services.credentials`, exactly as the
 admin form does. A section that is left out keeps what is stored; a section that is given
 replaces that provider's settings as a whole (so switching APNs from key to certificate auth
@@ -20,7 +21,6 @@ feature's section turns that feature off for it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,10 +30,13 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from slixmpp.jid import JID, InvalidJID
 
-from relay import features
-from relay.crypto import EncryptedTextField
+from relay import endpoint_urls, features
+from relay.crypto import CredentialKeyError, EncryptedTextField
 from relay.models import App, Component, Tenant
+from relay.providers.registry import PROVIDERS, spec_for
+from relay.providers.spec import CredentialField, ProviderSpec
 from relay.services import onboarding
+from relay.services.credentials import records
 from relay.services.credentials import validation as credential_validation
 
 
@@ -92,8 +95,8 @@ class ProvisioningReport:
 
 
 def _is_secret(model: type[Any], name: str) -> bool:
-    """Credentials (encrypted at rest) and component secrets are never shown."""
-    return name == "secret" or isinstance(model._meta.get_field(name), EncryptedTextField)
+    """Component secrets are never shown (credentials: their spec says which are secret)."""
+    return name == "secret"
 
 
 def _shown(value: Any) -> str:
@@ -135,49 +138,6 @@ def _read_file(path_text: str, where: str, base_dir: Path) -> str:
         raise ProvisioningError(f"{where}: cannot read {path_text}: {error.strerror}") from error
 
 
-# Model field -> where it comes from in an app's YAML, for error messages.
-_YAML_NAMES = {
-    "fcm_service_account": "fcm.service_account_file",
-    "fcm_endpoint": "fcm.endpoint",
-    "apns_topic": "apns.topic",
-    "apns_key": "apns.key_file",
-    "apns_key_id": "apns.key_id",
-    "apns_team_id": "apns.team_id",
-    "apns_certificate": "apns.certificate_file",
-    "apns_private_key": "apns.private_key_file",
-    "apns_endpoint": "apns.endpoint",
-    "apns_ca_certificate": "apns.ca_file",
-    "wns_package_sid": "wns.package_sid",
-    "wns_secret": "wns.secret",
-    "wns_token_url": "wns.token_url",
-    "wns_channel_hosts": "wns.channel_hosts",
-}
-_APNS_KEYS = frozenset(
-    {
-        "key_file",
-        "key_id",
-        "team_id",
-        "certificate_file",
-        "private_key_file",
-        "topic",
-        "sandbox",
-        "endpoint",
-        "ca_file",
-    }
-)
-_WNS_KEYS = frozenset({"package_sid", "secret", "secret_file", "token_url", "channel_hosts"})
-
-
-def _validated(validate: Callable[..., None], values: dict[str, Any], where: str) -> dict[str, Any]:
-    """Run a credentials validator; its first complaint becomes an error naming the YAML key."""
-    try:
-        validate(values=values)
-    except ValidationError as error:
-        field, messages = next(iter(error.message_dict.items()))
-        raise ProvisioningError(f"{where}.{_YAML_NAMES.get(field, field)}: {messages[0]}") from None
-    return values
-
-
 def _known_keys(section: dict[str, Any], known: frozenset[str], where: str) -> None:
     unknown = sorted(str(key) for key in section if key not in known)
     if unknown:
@@ -189,87 +149,102 @@ def _optional_file(section: dict[str, Any], key: str, where: str, base_dir: Path
     return _read_file(path, f"{where}.{key}", base_dir).strip() if path else ""
 
 
-def _fcm_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
-    fcm = app_doc.get("fcm")
-    if fcm is None:
-        return {}
-    fcm = _mapping(fcm, f"{where}.fcm")
-    service_account = _read_file(
-        _text(fcm, "service_account_file", f"{where}.fcm"),
-        f"{where}.fcm.service_account_file",
-        base_dir,
-    )
-    values = {
-        "fcm_service_account": service_account,
-        "fcm_endpoint": _text(fcm, "endpoint", f"{where}.fcm", required=False),
-    }
-    return _validated(credential_validation.validate_fcm, values, where)
+def _yaml_key(field: CredentialField, section: dict[str, Any]) -> str:
+    """Where the field is (or belongs) in the section, for error messages."""
+    name = field.yaml_name
+    if field.from_file and (f"{name}_file" in section or (field.upload and name not in section)):
+        return f"{name}_file"
+    return name
 
 
-def _apns_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
-    """All APNs fields, so switching between key and certificate auth clears the other."""
-    apns = app_doc.get("apns")
-    if apns is None:
-        return {}
-    here = f"{where}.apns"
-    apns = _mapping(apns, here)
-    _known_keys(apns, _APNS_KEYS, here)
-    sandbox = apns.get("sandbox", False)
-    if not isinstance(sandbox, bool):
-        raise ProvisioningError(f"{here}.sandbox: expected true or false")
-    key = _optional_file(apns, "key_file", here, base_dir)
-    certificate = _optional_file(apns, "certificate_file", here, base_dir)
-    if not key and not certificate:
-        raise ProvisioningError(f"{here}: give key_file, or certificate_file and private_key_file")
-    values = {
-        "apns_topic": _text(apns, "topic", here),
-        "apns_sandbox": sandbox,
-        "apns_key": key,
-        "apns_key_id": _text(apns, "key_id", here, required=bool(key)),
-        "apns_team_id": _text(apns, "team_id", here, required=bool(key)),
-        "apns_certificate": certificate,
-        "apns_private_key": _optional_file(apns, "private_key_file", here, base_dir),
-        "apns_endpoint": _text(apns, "endpoint", here, required=False),
-        "apns_ca_certificate": _optional_file(apns, "ca_file", here, base_dir),
-    }
-    _validated(credential_validation.validate_apns, values, where)
-    values["apns_certificate_not_after"] = credential_validation.certificate_not_after(certificate)
-    return values
+def _field_value(field: CredentialField, section: dict[str, Any], here: str, base_dir: Path) -> Any:
+    name = field.yaml_name
+    if field.from_file and f"{name}_file" in section:
+        if name in section:
+            raise ProvisioningError(f"{here}.{name}_file: give {name} or {name}_file, not both")
+        return _optional_file(section, f"{name}_file", here, base_dir)
+    if field.kind == "bool":
+        value = section.get(name, False)
+        if not isinstance(value, bool):
+            raise ProvisioningError(f"{here}.{name}: expected true or false")
+        return value
+    if field.kind == "lines":
+        items = section.get(name) or []
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+            raise ProvisioningError(f"{here}.{name}: expected a list of host patterns")
+        return "\n".join(item.strip() for item in items)
+    return _text(section, name, here, required=False)
 
 
-def _wns_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
-    wns = app_doc.get("wns")
-    if wns is None:
-        return {}
-    here = f"{where}.wns"
-    wns = _mapping(wns, here)
-    _known_keys(wns, _WNS_KEYS, here)
-    if "secret" in wns and "secret_file" in wns:
-        raise ProvisioningError(f"{here}.secret_file: give secret or secret_file, not both")
-    if "secret_file" in wns:
-        secret = _optional_file(wns, "secret_file", here, base_dir)
-    else:
-        secret = _text(wns, "secret", here)
-    hosts = wns.get("channel_hosts")
-    if hosts is None:
-        hosts = []
-    if not isinstance(hosts, list) or not all(isinstance(host, str) for host in hosts):
-        raise ProvisioningError(f"{here}.channel_hosts: expected a list of host patterns")
-    values = {
-        "wns_package_sid": _text(wns, "package_sid", here),
-        "wns_secret": secret,
-        "wns_token_url": _text(wns, "token_url", here, required=False),
-        "wns_channel_hosts": "\n".join(host.strip() for host in hosts),
-    }
-    return _validated(credential_validation.validate_wns, values, where)
+def _provider_values(spec: ProviderSpec, section: Any, here: str, base_dir: Path) -> dict[str, Any]:
+    """A provider's section: its spec's fields (a secret or PEM also as `<name>_file`, read
+    relative to the YAML), checked as the admin checks them."""
+    section = _mapping(section, here)
+    known = {field.yaml_name for field in spec.fields}
+    known |= {f"{field.yaml_name}_file" for field in spec.fields if field.from_file}
+    _known_keys(section, frozenset(known), here)
+    values = {item.name: _field_value(item, section, here, base_dir) for item in spec.fields}
+    for item in spec.fields:
+        if item.required and values[item.name] in ("", None):
+            raise ProvisioningError(f"{here}.{_yaml_key(item, section)}: required")
+    if not spec.configured(values):
+        raise ProvisioningError(f"{here}: no credentials given")
+    found = credential_validation.problems(spec.service, values)
+    if found:
+        name, message = next(iter(found.items()))
+        raise ProvisioningError(f"{here}.{_yaml_key(spec.field_named(name), section)}: {message}")
+    return spec.complete(values)
 
 
-def _app_fields(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
+def _app_credentials(app_doc: dict[str, Any], where: str, base_dir: Path) -> dict[str, Any]:
+    """The provider sections given, by service; a section left out keeps what is stored."""
     return {
-        **_fcm_fields(app_doc, where, base_dir),
-        **_apns_fields(app_doc, where, base_dir),
-        **_wns_fields(app_doc, where, base_dir),
+        spec.service: _provider_values(
+            spec, app_doc[spec.service], f"{where}.{spec.service}", base_dir
+        )
+        for spec in PROVIDERS
+        if app_doc.get(spec.service) is not None
     }
+
+
+def _upsert_app(
+    tenant: Tenant,
+    name: str,
+    credentials: dict[str, dict[str, Any]],
+    report: ProvisioningReport,
+) -> App:
+    """The app and the credentials records its sections give (each replaced as a whole)."""
+    label = f"{tenant.name}/{name}"
+    app = App.objects.filter(tenant=tenant, name=name).first()
+    created = app is None
+    if app is None:
+        app = App.objects.create(tenant=tenant, name=name)
+    changes: list[FieldChange] = []
+    for service, new in credentials.items():
+        spec = spec_for(service)
+        try:
+            old = records.values_of(app, service)
+        except CredentialKeyError:
+            old = {field.name: None for field in spec.fields}  # unreadable: all replaced
+        changes.extend(
+            FieldChange(
+                credential_validation.form_name(spec, field),
+                _shown(old[field.name]),
+                _shown(new[field.name]),
+                field.secret,
+            )
+            for field in spec.fields
+            if old[field.name] != new[field.name]
+        )
+        records.store(app, service, new)
+    kind = str(App._meta.verbose_name)
+    if created:
+        report.note(ObjectChange(kind, label, "created"))
+    else:
+        report.note(
+            ObjectChange(kind, label, "updated" if changes else "unchanged", tuple(changes))
+        )
+    return app
 
 
 def _upsert(
@@ -337,12 +312,8 @@ def _apply(data: dict[str, Any], base_dir: Path, report: ProvisioningReport) -> 
             app_where = f"{where}.apps[{a_index}]"
             app_doc = _mapping(app_doc, app_where)
             name = _text(app_doc, "name", app_where)
-            apps[name] = _upsert(
-                App,
-                report,
-                f"{tenant_name}/{name}",
-                {"tenant": tenant, "name": name},
-                _app_fields(app_doc, app_where, base_dir),
+            apps[name] = _upsert_app(
+                tenant, name, _app_credentials(app_doc, app_where, base_dir), report
             )
         for c_index, comp_doc in enumerate(
             _list(tenant_doc.get("components"), f"{where}.components")

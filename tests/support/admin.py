@@ -35,6 +35,7 @@ from relay.operators.models import AuditAction, AuditEntry, TenantSecurityPolicy
 from relay.services import tenancy
 from relay.services.queue import SendJob
 from relay.unifiedpush.models import UnifiedPushDelivery
+from tests.support.provider_fakes import configure
 
 STRONG_PASSWORD = "correct horse battery staple 42"
 
@@ -62,11 +63,10 @@ def build_tenant(marker: str) -> TenantWorld:
     app = App.objects.create(
         tenant=tenant,
         name=f"{marker}-app",
-        # Stored as is (no validation here): only its never being shown matters.
-        fcm_service_account=f'{{"private_key": "{marker}-private-key-material"}}',
-        wns_package_sid=f"ms-app://{marker}",
-        wns_secret=f"{marker}-wns-client-secret",
     )
+    # Stored as is (no validation here): only its never being shown matters.
+    configure(app, "fcm", service_account=f'{{"private_key": "{marker}-private-key-material"}}')
+    configure(app, "wns", package_sid=f"ms-app://{marker}", secret=f"{marker}-wns-client-secret")
     component = Component.objects.create(
         tenant=tenant,
         app=app,

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from relay.services.credentials import records
 from tests.fakes.apns import FakeApns, make_p8_key
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeWns
@@ -13,9 +14,13 @@ from tests.fakes.wns import FakeWns
 APNS_TOPIC = "org.example.relay"
 
 
+def configure(app: Any, service: str, **values: Any) -> None:
+    """Store the app's credentials record for `service` (what the admin and YAML write)."""
+    records.store(app, service, values)
+
+
 def configure_fcm(app: Any, fake: FakeFcm) -> None:
-    app.fcm_service_account = json.dumps(fake.service_account())
-    app.fcm_endpoint = fake.url
+    configure(app, "fcm", service_account=json.dumps(fake.service_account()), endpoint=fake.url)
 
 
 def start_apns() -> tuple[FakeApns, str]:
@@ -25,16 +30,30 @@ def start_apns() -> tuple[FakeApns, str]:
 
 
 def configure_apns(app: Any, fake: FakeApns, key_pem: str) -> None:
-    app.apns_topic = fake.topic
-    app.apns_key = key_pem
-    app.apns_key_id = fake.key_id
-    app.apns_team_id = fake.team_id
-    app.apns_endpoint = fake.endpoint
-    app.apns_ca_certificate = Path(fake.ca_file).read_text()
+    configure(
+        app,
+        "apns",
+        topic=fake.topic,
+        key=key_pem,
+        key_id=fake.key_id,
+        team_id=fake.team_id,
+        endpoint=fake.endpoint,
+        ca_certificate=Path(fake.ca_file).read_text(),
+    )
 
 
 def configure_wns(app: Any, fake: FakeWns) -> None:
-    app.wns_package_sid = fake.client_id
-    app.wns_secret = fake.client_secret
-    app.wns_token_url = fake.token_url
-    app.wns_channel_hosts = fake.host_pattern
+    configure(
+        app,
+        "wns",
+        package_sid=fake.client_id,
+        secret=fake.client_secret,
+        token_url=fake.token_url,
+        channel_hosts=fake.host_pattern,
+    )
+
+
+def change_credentials(app: Any, service: str, **changes: Any) -> None:
+    """Change some fields of the app's stored credentials for `service`, keeping the rest."""
+    records.forget(app)
+    records.store(app, service, {**records.values_of(app, service), **changes})

@@ -19,7 +19,7 @@ def app_for_key(*, public_key: str) -> App:
 
     Kept per process once found, so a request costs no round trip of its own for its app.
     The actions' first statement checks that the app is still as kept (`sql.CURRENT`: same
-    row, channel hosts, tenant not suspended) and reads it afresh when not (`app_changed`),
+    row, WNS credentials, tenant not suspended) and reads it afresh when not (`app_changed`),
     so a suspension or a new host list counts from the next request on. Only apps that exist
     are kept: no one can fill the memory with made-up keys."""
     app = _apps.get(public_key) if isinstance(public_key, str) else None
@@ -41,13 +41,18 @@ def load_app(public_key: str) -> App:
         raise UwpxError(ErrorKind.UNKNOWN_APP, "Unknown app key.")
     if row[4]:
         raise UwpxError(ErrorKind.UNAVAILABLE, "This push service is suspended; try again later.")
-    app = App.from_db(connection.alias, list(sql.APP_FIELDS), list(row[:4]))
+    app = App.from_db(connection.alias, list(sql.APP_FIELDS), list(row[:3]))
+    app.__dict__[_WNS_CREDENTIALS] = row[3]
     _apps[public_key] = app
     return app
 
 
+# The kept app's WNS credentials record id, as `sql.CURRENT` compares it.
+_WNS_CREDENTIALS = "_wns_credentials_id"
+
+
 def app_params(app: App) -> list[object]:
-    return [app.pk, app.tenant_id, app.public_key, app.wns_channel_hosts]
+    return [app.pk, app.tenant_id, app.public_key, app.__dict__.get(_WNS_CREDENTIALS, 0)]
 
 
 def app_changed(app: App) -> App | None:

@@ -33,24 +33,26 @@ from relay.windows.services.store import Mine, accounts_answer, new_registration
 
 log = logging.getLogger("relay.windows.services")
 
-_UNNEST_APPS = "%s::bigint[], %s::bigint[], %s::text[], %s::text[]"
+_UNNEST_APPS = "%s::bigint[], %s::bigint[], %s::text[], %s::bigint[]"
 _BATCH_CURRENT = (
     f"EXISTS (SELECT 1 FROM {App._meta.db_table} ca JOIN {Tenant._meta.db_table} ct"
     f" ON ct.id = ca.tenant_id WHERE ca.id = w.app_id AND ca.tenant_id = w.tenant_id"
-    f" AND ca.public_key = w.public_key AND ca.wns_channel_hosts = w.hosts AND NOT ct.suspended)"
+    f" AND ca.public_key = w.public_key"
+    f" AND {sql.WNS_CREDENTIALS.format(app='ca')} = w.wns_credentials"
+    f" AND NOT ct.suspended)"
 )
 _BATCH_NEW_DEVICES_SQL = (
     f"INSERT INTO {sql.DEVICES} (app_id, device_id_hash, channel_uri, created, updated)"
     f" SELECT w.app_id, w.device_hash, w.channel, %s, %s"
     f" FROM unnest({_UNNEST_APPS}, %s::text[], %s::text[])"
-    f" AS w(app_id, tenant_id, public_key, hosts, device_hash, channel)"
+    f" AS w(app_id, tenant_id, public_key, wns_credentials, device_hash, channel)"
     f" WHERE {_BATCH_CURRENT}"
     f" ON CONFLICT (app_id, device_id_hash) DO NOTHING RETURNING app_id, device_id_hash"
 )
 # Locks the devices in id order (two batches never wait on each other in a circle).
 _BATCH_READ_SQL = (
     f"WITH w AS (SELECT * FROM unnest({_UNNEST_APPS}, %s::text[], %s::int[])"
-    f" AS w(app_id, tenant_id, public_key, hosts, device_hash, ord)),"
+    f" AS w(app_id, tenant_id, public_key, wns_credentials, device_hash, ord)),"
     f" d AS (SELECT w.ord, dv.id, dv.channel_uri, dv.device_id_hash, dv.app_id"
     f" FROM w JOIN {sql.DEVICES} dv ON dv.app_id = w.app_id AND dv.device_id_hash = w.device_hash"
     f" WHERE {_BATCH_CURRENT} ORDER BY dv.id FOR UPDATE OF dv)"

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection
 
-from relay.models import App, Component, Registration, Tenant
+from relay.models import App, Component, ProviderCredentials, Registration, Tenant
 from relay.windows.models import WnsDevice
 
 log = logging.getLogger("relay.windows.services")
@@ -57,21 +57,27 @@ def on_live_connection(action: Callable[[], T]) -> T:
 
 # --- the statements ------------------------------------------------------------------------------
 
-APP_FIELDS = ("id", "tenant_id", "public_key", "wns_channel_hosts")
+APP_FIELDS = ("id", "tenant_id", "public_key")
+# The id of the app's WNS credentials record (0: none): a new one on every change of them
+# (relay.services.credentials.records.store), so comparing it tells a kept app is stale.
+WNS_CREDENTIALS = (
+    f"COALESCE((SELECT p.id FROM {ProviderCredentials._meta.db_table} p"
+    f" WHERE p.app_id = {{app}}.id AND p.service = 'wns'), 0)"
+)
 APP_SQL = (
-    f"SELECT a.id, a.tenant_id, a.public_key, a.wns_channel_hosts, t.suspended"
+    f"SELECT a.id, a.tenant_id, a.public_key, {WNS_CREDENTIALS.format(app='a')}, t.suspended"
     f" FROM {App._meta.db_table} a JOIN {Tenant._meta.db_table} t ON t.id = a.tenant_id"
     f" WHERE a.public_key = %s"
 )
 DEVICES = WnsDevice._meta.db_table
 REGISTRATIONS = Registration._meta.db_table
 COMPONENTS = Component._meta.db_table
-# The app kept by app_for_key is still its row as it is: id, tenant, key, channel hosts, and
+# The app kept by app_for_key is still its row as it is: id, tenant, key, WNS credentials, and
 # its tenant not suspended (params: app_params). Part of each action's first statement.
 CURRENT = (
     f"EXISTS (SELECT 1 FROM {App._meta.db_table} ca JOIN {Tenant._meta.db_table} ct"
     f" ON ct.id = ca.tenant_id WHERE ca.id = %s AND ca.tenant_id = %s AND ca.public_key = %s"
-    f" AND ca.wns_channel_hosts = %s AND NOT ct.suspended)"
+    f" AND {WNS_CREDENTIALS.format(app='ca')} = %s AND NOT ct.suspended)"
 )
 # Creates the device unless it exists or the app changed (then nothing: no row returned).
 NEW_DEVICE_SQL = (

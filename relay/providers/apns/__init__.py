@@ -8,7 +8,7 @@ own loop on first use; a provider built before the fork rebuilds its client ther
 
 The client is built through aioapns' documented constructor; a custom CA (e.g. a test fake's) is
 trusted through its `ssl_context`. Where it connects (aioapns has no host argument) and how a
-request is sent on a connection is `relay.providers.apns_connection`, the one module that uses
+request is sent on a connection is `relay.providers.apns.connection`, the one module that uses
 aioapns' undocumented parts; sandbox, production and a local fake are one code path.
 
 Privacy: the device token is the device's address. It is never logged nor returned.
@@ -37,8 +37,8 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from relay.providers import apns_connection
-from relay.providers.apns_connection import NotificationResult
+from relay.providers.apns import connection as apns_connection
+from relay.providers.apns.connection import NotificationResult
 from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
 from relay.providers.payloads import ApnsPayload
 
