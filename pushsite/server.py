@@ -124,7 +124,8 @@ class Limits:
             # The wait for a head: on a new connection, and after each answer.
             "keepalive_timeout": self.head_seconds,
             # A body left unread by a refusal from the head (413, 411) is read and dropped
-            # by `Site._drop_body`; aiohttp's own reading of it, never needed, no longer.
+            # by `Site._drop_body` (within the body's limits); aiohttp's own lingering read,
+            # which comes after, then finds it read.
             "lingering_time": self.body_seconds,
         }
 
