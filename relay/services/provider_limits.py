@@ -6,18 +6,18 @@ connections and never answers would hold every thread that sends to it, and with
 pool every tenant shares. Three limits keep the damage to the app whose provider it is, and
 none of them makes a send wait for another app:
 
-- threads: at most RELAY["MAX_THREADS_PER_APP"] worker threads send to one app at once (0,
-  the default: three quarters of the worker's threads, so that a quarter, at least one, is
-  always left to the other apps). The share is work-conserving: a send beyond it waits in its
-  thread for one of its app's slots as long as no other app's message waits for a thread of
-  this worker (counted from the worker signals, relay/tasks.py: `task_waiting`,
-  `task_started`), so a lone tenant's burst uses the whole worker and never goes to the
-  database. Once another app's message waits, a send beyond the share steps aside at once
-  (RETRY_LATER, APP_IN_FLIGHT_CAP: deferred, the provider never saw it, so no attempt is
-  counted) and its thread goes to the queue. It comes back shortly if the app was merely
-  busy; if its sends are slow (the oldest in flight for SLOW_SECONDS), once that send has
-  timed out (spread over one more timeout), for the breaker's verdict, instead of spinning
-  through the broker.
+- threads: at most RELAY["MAX_THREADS_PER_APP"] worker threads send to one app at once (0, the
+  default: three quarters of the worker's threads, so that a quarter, at least one, is always
+  left to the other apps). The share is work-conserving: a send beyond it waits in its thread
+  for one of its app's slots as long as no other app's message waits for a thread of this
+  worker (counted from the worker signals, relay/tasks.py: `task_waiting`, `task_started`): a
+  lone tenant's burst sends on its share, queues for it in the other threads, and never goes
+  to the database. Once another app's message waits, a send beyond the share steps aside at
+  once (RETRY_LATER, APP_IN_FLIGHT_CAP: deferred, the provider never saw it, so no attempt is
+  counted) and its thread goes to the queue. It comes back shortly if the app was merely busy;
+  if its sends are slow (the oldest in flight for SLOW_SECONDS), once that send has timed out
+  (spread over one more timeout), for the breaker's verdict, instead of spinning through the
+  broker.
 - sends: at most RELAY["MAX_IN_FLIGHT_PER_PROVIDER"] wake-ups in flight per app's provider (a
   batch takes up to BATCH_SLOTS at a time, Sygnal's ConcurrencyLimitedPushkin). A batch waits
   up to RELAY["IN_FLIGHT_WAIT_SECONDS"] for a slot: only the app's own, bounded, threads
