@@ -22,7 +22,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from relay import features, metrics
-from relay.models import App, DeadLetter, Outcome, ProviderCredentials, Registration, Service
+from relay.models import DeadLetter, Outcome, ProviderCredentials, Registration, Service
 from relay.services import dead_letters, delivery, queue, throttling
 from relay.services import provider_limits as limits
 from relay.services import provider_registry as registry

@@ -6,9 +6,10 @@ from __future__ import annotations
 from relay.providers.apns.spec import SPEC as APNS
 from relay.providers.fcm.spec import SPEC as FCM
 from relay.providers.spec import ProviderSpec
+from relay.providers.webpush.spec import SPEC as WEBPUSH
 from relay.providers.wns.spec import SPEC as WNS
 
-PROVIDERS: tuple[ProviderSpec, ...] = (FCM, APNS, WNS)
+PROVIDERS: tuple[ProviderSpec, ...] = (FCM, APNS, WNS, WEBPUSH)
 
 BY_SERVICE: dict[str, ProviderSpec] = {spec.service: spec for spec in PROVIDERS}
 

@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from django.core.exceptions import ValidationError
 from django.db import transaction
 from slixmpp.jid import JID, InvalidJID
 
-from relay import endpoint_urls, features
-from relay.crypto import CredentialKeyError, EncryptedTextField
+from relay import features
+from relay.crypto import CredentialKeyError
 from relay.models import App, Component, Tenant
 from relay.providers.registry import PROVIDERS, spec_for
 from relay.providers.spec import CredentialField, ProviderSpec
