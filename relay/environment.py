@@ -757,7 +757,8 @@ class Environment(BaseSettings):
     retention_days: int = var(
         "RELAY_RETENTION_DAYS",
         90,
-        "Records (deliveries, UnifiedPush deliveries, publish tallies, registration events) "
+        "Records (deliveries, UnifiedPush deliveries, publish tallies, registration events, "
+        "audit entries) "
         "older than this many days are pruned by `manage.py prune_records` and the beat entry "
         "at RELAY_PRUNE_AT (UTC, HH:MM; empty turns it off).",
         group=Group.REPORTS,

@@ -410,6 +410,7 @@ def test_prune_records_names_every_record_it_prunes():
         "relay_unifiedpushdelivery": ("UnifiedPush delivery records", "UnifiedPush deliveries"),
         "relay_registrationevent": ("registration events", "registration events"),
         "relay_publishtally": ("publish tallies", "publish tallies"),
+        "operators_auditentry": ("audit entries", "audit entries"),
     }
     assert {model._meta.db_table for model, _ in retention.PRUNED} == set(named)
     help_text = " ".join(Command.help.split())

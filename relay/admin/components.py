@@ -28,7 +28,6 @@ from relay.admin.base import (
     link_badge,
     pushes_since,
 )
-from relay.forms import HttpsURLField
 from relay.models import (
     Component,
 )
@@ -63,7 +62,6 @@ class ComponentForm(forms.ModelForm):
             "port",
             "enabled",
         )
-        field_classes = {"unifiedpush_endpoint_url": HttpsURLField}
 
     def clean_new_secret(self) -> str:
         secret = self.cleaned_data.get("new_secret") or ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin
 from django.http import HttpRequest
 
@@ -14,8 +15,16 @@ from relay.admin.base import (
     is_operator_request,
 )
 from relay.admin.components import ComponentPartFormSet
+from relay.forms import HttpsURLField
 from relay.models import Component
 from relay.unifiedpush.models import ComponentSettings, UnifiedPushDelivery
+
+
+class ComponentSettingsForm(forms.ModelForm):
+    class Meta:
+        model = ComponentSettings
+        fields = ("endpoint_url", "token_lifetime_days")
+        field_classes = {"endpoint_url": HttpsURLField}
 
 
 class ComponentSettingsInline(admin.StackedInline):
@@ -24,6 +33,7 @@ class ComponentSettingsInline(admin.StackedInline):
     turning UnifiedPush on or off, and where its endpoints are, are the operator's."""
 
     model = ComponentSettings
+    form = ComponentSettingsForm
     formset = ComponentPartFormSet
     fields = ("endpoint_url", "token_lifetime_days")
     extra = 1

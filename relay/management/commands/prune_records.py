@@ -11,9 +11,9 @@ from relay.services import retention
 
 class Command(BaseCommand):
     help = (
-        "Delete delivery records, UnifiedPush delivery records, registration events and "
-        "publish tallies older than RELAY_RETENTION_DAYS, in small batches (safe while the "
-        "relay runs)."
+        "Delete delivery records, UnifiedPush delivery records, registration events, "
+        "publish tallies and audit entries older than RELAY_RETENTION_DAYS, in small "
+        "batches (safe while the relay runs)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
