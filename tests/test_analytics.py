@@ -657,6 +657,7 @@ def test_pruned_days_keep_their_reports_and_intact_days_are_still_recomputed(spa
             "relay_registrationevent": 1,
             "relay_publishtally": 2,
             "relay_unifiedpushdelivery": 0,
+            "operators_auditentry": 0,
         }
         assert db.rows("SELECT count(*) FROM relay_retentioncut") == [(3,)]
         # P3's records change: it is recomputed, the pruned days are not.

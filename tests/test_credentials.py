@@ -25,7 +25,7 @@ from relay import checks, crypto
 from relay.forms import AppForm
 from relay.models import App, ProviderCredentials, Tenant
 from relay.providers.base import Outcome, Wakeup
-from relay.providers.registry import PROVIDERS
+from relay.providers.registry import PROVIDERS, spec_for
 from relay.services import provider_registry as registry
 from relay.services.credentials import keys, records, selectors, stored, validation
 from tests.fakes.apns import (
@@ -808,7 +808,7 @@ def test_the_fcm_ca_bundle_is_the_configured_one(tenant, fake_fcm, tmp_path, mon
         provider = registry.provider_for(App.objects.get(pk=app.pk), "fcm")
     assert provider._http.connection_pool_kw["ca_certs"] == str(bundle)  # type: ignore[attr-defined]
     assert provider._token_session.verify == str(bundle)  # type: ignore[attr-defined]
-    default = registry.BUILDERS["fcm"](App.objects.get(pk=app.pk))
+    default = registry.build(App.objects.get(pk=app.pk), spec_for("fcm"))
     try:
         assert default._http.connection_pool_kw["ca_certs"] != str(bundle)  # type: ignore[attr-defined]
     finally:

@@ -23,7 +23,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from relay.models import App, Tenant
+from relay.models import App, ProviderCredentials, Tenant
 from relay.operators.models import AuditEntry
 from relay.operators.services import sessions
 from relay.services import retention
@@ -164,7 +164,7 @@ def test_a_new_device_ends_the_other_sessions():
 @pytest.mark.django_db
 def test_admin_changes_name_fields_never_values():
     world = build_tenant("alpha")
-    App.objects.filter(pk=world.app.pk).update(fcm_service_account="")  # not a valid one
+    ProviderCredentials.objects.filter(app=world.app, service="fcm").delete()  # not a valid one
     operator = make_operator()
     browser = verified_client(operator, "203.0.113.9")
     url = reverse("admin:relay_app_change", args=[world.app.pk])
@@ -174,10 +174,19 @@ def test_admin_changes_name_fields_never_values():
     )
     answer = browser.post(url, data)
     assert answer.status_code == 302, answer.context["adminform"].form.errors
-    entry = AuditEntry.objects.get(object_type="relay.app", action="changed")
-    assert set(entry.fields) == {"wns_secret", "wns_package_sid"}
-    assert (entry.actor, entry.user_id, entry.address) == ("operator", operator.pk, "203.0.113.9")
-    assert entry.tenant_id == world.tenant.pk
+    # The app's row and its credentials records: each change named, by whom, from where.
+    entries = list(
+        AuditEntry.objects.filter(object_type="relay.app", action="changed", user_id=operator.pk)
+    )
+    wns = [entry for entry in entries if entry.detail == "wns credentials"]
+    assert len(wns) == 1 and set(wns[0].fields) == {"wns_secret", "wns_package_sid"}
+    for entry in entries:
+        assert (entry.actor, entry.user_id, entry.address) == (
+            "operator",
+            operator.pk,
+            "203.0.113.9",
+        )
+        assert entry.tenant_id == world.tenant.pk
     every_entry = "".join(
         str(row) for row in AuditEntry.objects.values_list("fields", "detail", "object_repr")
     )
@@ -243,15 +252,17 @@ def test_load_tenants_and_rotate_credentials_are_recorded_as_commands(tmp_path: 
     app = App.objects.get(name="uwpx")
     created = AuditEntry.objects.get(object_type="relay.app", action="created")
     assert created.actor.startswith("manage.py load_tenants (") and created.user_id is None
-    assert "wns_secret" in created.fields and created.tenant_id == app.tenant_id
+    assert created.tenant_id == app.tenant_id
+    # The credentials are a record of their own, named on the app as the admin's form names them.
+    given = AuditEntry.objects.get(object_type="relay.app", action="changed")
+    assert given.actor == created.actor and given.detail == "wns credentials"
+    assert "wns_secret" in given.fields and "wns_package_sid" in given.fields
     assert AuditEntry.objects.filter(object_type="relay.tenant", action="created").exists()
 
     manage("rotate_credentials", keys=f"{new_key},{old_key}")
-    rotated = AuditEntry.objects.get(object_type="relay.app", action="changed")
+    rotated = AuditEntry.objects.exclude(pk=given.pk).get(object_type="relay.app", action="changed")
     assert rotated.actor.startswith("manage.py rotate_credentials (")
-    assert (
-        rotated.fields == ["wns_secret"] and rotated.detail == "re-encrypted with the current key"
-    )
+    assert "wns_secret" in rotated.fields and rotated.detail == "re-encrypted with the current key"
     text = str(list(AuditEntry.objects.values()))
     assert "provisioned-wns-secret" not in text
 

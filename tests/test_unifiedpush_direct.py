@@ -15,8 +15,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from relay.models import Component
-from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
+from relay.unifiedpush.models import ComponentSettings, UnifiedPushDelivery, UnifiedPushMessage
 from relay.unifiedpush.services import messages
 from tests.support.waiting import holds_for, wait_until
 from tests.test_unifiedpush_e2e import COMPONENT, lab  # noqa: F401  (the fixture)
@@ -226,9 +225,10 @@ def test_posts_on_a_kept_alive_connection_go_the_direct_path_from_the_event_loop
         # The component's state changes (its endpoint URL, which names the Location): once
         # the loop's cached copy is stale, one POST reads it again on the thread pool, and
         # every POST meanwhile and after still goes the direct path.
-        cached = Component.objects.get(pk=lab.component.pk).unifiedpush_endpoint_url
+        settings_row = ComponentSettings.objects.filter(component_id=lab.component.pk)
+        cached = settings_row.get().endpoint_url
         moved = cached.rstrip("/") + "/moved"
-        Component.objects.filter(pk=lab.component.pk).update(unifiedpush_endpoint_url=moved)
+        settings_row.update(endpoint_url=moved)
         slow = 0
 
         def answered_with_the_new_state() -> bool:
@@ -242,7 +242,7 @@ def test_posts_on_a_kept_alive_connection_go_the_direct_path_from_the_event_loop
         status, headers = connection.post(f"slow {slow}".encode())
         slow += 1
         assert status == 201 and headers["Location"].startswith(moved + "/push/message/")
-        Component.objects.filter(pk=lab.component.pk).update(unifiedpush_endpoint_url=cached)
+        settings_row.update(endpoint_url=cached)
         other = phone.register_endpoint(COMPONENT[0])
         phone.answer_with = "item-not-found"
         revoked = KeepAlive(other.url)

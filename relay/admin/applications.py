@@ -50,6 +50,9 @@ class AppAdmin(TenantScopedAdmin):
     list_filter = ("tenant",)
     search_fields = ("name", "tenant__name")
     list_select_related = ("tenant",)
+    # Explicit: the credentials' aggregate (first_expiry) groups the rows, which drops the
+    # model's default ordering, and the autocomplete's pages need a stable one.
+    ordering = ("name", "pk")
 
     def get_fieldsets(self, request: HttpRequest, obj: App | None = None) -> list[Any]:
         fieldsets: list[Any] = [

@@ -18,7 +18,7 @@ from django_otp.plugins.otp_totp.models import TOTPDevice
 from relay.models import App, Component, Tenant, TenantStaffGroup
 from relay.operators.models import TenantSecurityPolicy, WebAuthnKey
 from relay.operators.services import audit, second_factor, sessions
-from relay.services.credentials import keys
+from relay.services.credentials import keys, records
 
 AUDITED: tuple[type[models.Model], ...] = (
     Tenant,
@@ -106,6 +106,13 @@ def _rotated(sender: type[models.Model], pk: Any, fields: list[str], **_: Any) -
 
 
 keys.credentials_rotated.connect(_rotated, dispatch_uid="audit.credentials_rotated")
+
+
+def _credentials_changed(sender: Any, app: App, service: str, fields: list[str], **_: Any) -> None:
+    audit.credentials_changed(app, service, fields)
+
+
+records.credentials_changed.connect(_credentials_changed, dispatch_uid="audit.credentials_changed")
 
 
 def _logged_in(sender: Any, request: Any, user: Any, **_: Any) -> None:

@@ -9,6 +9,8 @@ out and `relay_state_up{source}` says so; a scrape never fails for it.
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Any
 
 from celery import current_app as celery_app
 from django.db import DatabaseError
@@ -107,21 +109,45 @@ def _deferred() -> list[Metric]:
     return [waiting, overdue]
 
 
-def queue_depth() -> int:
-    """Sends waiting in the broker for a worker (not those a worker holds for a countdown)."""
+# kombu's SQLAlchemy transport (the embedded defaults' broker) gives each channel a session
+# it never closes, holding a pooled connection until the channel is collected: a depth read
+# every second (each worker's sweeper) would drain the pool the worker consumes through. On
+# that transport one connection per process is kept for these reads.
+_kept_read: Any = None
+_kept_lock = threading.Lock()
+
+
+def _message_count(conn: Any) -> int:
     from kombu.exceptions import ChannelError
 
-    with celery_app.connection_for_read() as conn:
-        conn.ensure_connection(max_retries=1, timeout=2)
-        channel = conn.default_channel
+    conn.ensure_connection(max_retries=1, timeout=2)
+    try:
+        return int(
+            conn.default_channel.queue_declare(
+                queue=celery_app.conf.task_default_queue, passive=True
+            ).message_count
+        )
+    except ChannelError:  # the queue does not exist yet: nothing was ever sent
+        return 0
+
+
+def queue_depth() -> int:
+    """Sends waiting in the broker for a worker (not those a worker holds for a countdown)."""
+    global _kept_read
+    conn = celery_app.connection_for_read()
+    if conn.transport.driver_type != "sql":
+        with conn:
+            return _message_count(conn)
+    conn.release()
+    with _kept_lock:
+        if _kept_read is None:
+            _kept_read = celery_app.connection_for_read()
         try:
-            return int(
-                channel.queue_declare(
-                    queue=celery_app.conf.task_default_queue, passive=True
-                ).message_count
-            )
-        except ChannelError:  # the queue does not exist yet: nothing was ever sent
-            return 0
+            return _message_count(_kept_read)
+        except Exception:
+            _kept_read.release()
+            _kept_read = None
+            raise
 
 
 def read_state() -> list[Metric]:

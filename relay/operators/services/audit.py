@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import getpass
+import json
 import logging
 import os
 import socket
@@ -29,6 +30,7 @@ from django.db import models
 from django.http import HttpRequest
 from django.utils import timezone
 
+from relay.models import ProviderCredentials
 from relay.operators.models import AuditAction, AuditEntry
 from relay.services import login_throttle, tenancy
 
@@ -253,10 +255,21 @@ def related_changed(obj: models.Model, field: str, action: str) -> None:
     record(AuditAction.CHANGED, obj=obj, fields=[field], detail=f"{field} {verb}")
 
 
+def credentials_changed(app: models.Model, service: str, fields: Iterable[str]) -> None:
+    """An app's credentials record replaced: named as the admin's form names them
+    (`<provider>_<field>`), on the app."""
+    names = [f"{service}_{name}" for name in fields]
+    record(AuditAction.CHANGED, obj=app, fields=names, detail=f"{service} credentials")
+
+
 def credentials_rotated(model: type[models.Model], pk: Any, fields: Iterable[str]) -> None:
     obj = model._base_manager.filter(pk=pk).first()
     if obj is None:
         return
+    if isinstance(obj, ProviderCredentials):  # one encrypted record: its set fields, on the app
+        values = json.loads(str(obj.values)) if isinstance(obj.values, str) else {}
+        fields = [f"{obj.service}_{name}" for name, value in sorted(values.items()) if value]
+        obj = obj.app
     record(AuditAction.CHANGED, obj=obj, fields=fields, detail="re-encrypted with the current key")
 
 

@@ -7,12 +7,17 @@ import json
 from typing import Any
 
 from django.db import transaction
+from django.dispatch import Signal
 from django.utils import timezone
 
 from relay.crypto import CredentialKeyError, UnreadableCredential
 from relay.models import App, ProviderCredentials
 from relay.providers.registry import spec_for
 from relay.services.credentials.stored import UNREADABLE
+
+# Sent after a record is replaced: sender App, `app`, `service`, `fields` the names whose
+# values changed (never the values). The audit listens; model signals would see only a new row.
+credentials_changed = Signal()
 
 # The app instance keeps its records once read (a worker's cached App, the admin's form).
 _KEPT = "_provider_credentials"
@@ -72,6 +77,8 @@ def store(app: App, service: str, values: dict[str, Any]) -> bool:
     empty = not any(complete.values())
     if record is None and empty:
         return False
+    before = _decoded(record) if readable and record is not None else {}
+    changed = sorted(name for name in complete if complete[name] != before.get(name))
     with transaction.atomic():
         ProviderCredentials.objects.filter(app=app, service=service).delete()
         if not empty:
@@ -85,4 +92,5 @@ def store(app: App, service: str, values: dict[str, Any]) -> bool:
         App.objects.filter(pk=app.pk).update(updated=now)
     app.updated = now
     forget(app)
+    credentials_changed.send(sender=App, app=app, service=service, fields=changed)
     return True
