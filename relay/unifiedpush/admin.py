@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin
 from django.http import HttpRequest
 
@@ -18,23 +19,32 @@ from relay.models import Component
 from relay.unifiedpush.models import ComponentSettings, UnifiedPushDelivery
 
 
+class ComponentSettingsForm(forms.ModelForm):
+    class Meta:
+        model = ComponentSettings
+        fields = ("endpoint_url", "token_lifetime_days")
+        help_texts = {
+            "endpoint_url": "Public base URL of this relay's web process (or its reverse "
+            "proxy), e.g. https://push.example.org. Phones (Conversations as UnifiedPush "
+            "distributor) register here for endpoints that apps' servers POST to; the web "
+            "process serves them at <endpoint URL>/push/…. Leave it empty (or delete it) to "
+            "serve only the p2 commands."
+        }
+
+
 class ComponentSettingsInline(admin.StackedInline):
     """On the component's page (relay.features: component_inlines). They are the
     component's settings: whoever may see or change the component may see or change them;
     turning UnifiedPush on or off, and where its endpoints are, are the operator's."""
 
     model = ComponentSettings
+    form = ComponentSettingsForm
     formset = ComponentPartFormSet
     fields = ("endpoint_url", "token_lifetime_days")
     extra = 1
     max_num = 1
     verbose_name = "UnifiedPush"
     verbose_name_plural = "UnifiedPush"
-    description = (
-        "Phones (Conversations as UnifiedPush distributor) register here for endpoints that "
-        "apps' servers POST to; the web process serves them at <endpoint URL>/push/…. Leave "
-        "it empty (or delete it) to serve only the p2 commands."
-    )
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         fields = list(super().get_readonly_fields(request, obj))
