@@ -26,4 +26,4 @@ def _feature_beat_entries(sender: Any = None, **kwargs: Any) -> None:
     then; beat reads the schedule after this, when its scheduler starts."""
     from relay import features
 
-    app.conf.beat_schedule = {**app.conf.beat_schedule, **features.beat_schedule()}
+    app.conf.beat_schedule = {**features.beat_schedule(), **app.conf.beat_schedule}

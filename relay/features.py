@@ -19,7 +19,6 @@ AppConfig, dotted paths imported when first asked for (after the apps are loaded
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
@@ -96,7 +95,6 @@ def _named(attribute: str) -> list[str]:
     return found
 
 
-@functools.cache
 def component_parts() -> tuple[ComponentPart, ...]:
     return tuple(import_string(path) for path in _named("component_part"))
 
@@ -121,7 +119,8 @@ def web_resources() -> list[WebResource]:
 
 
 def beat_schedule() -> dict[str, dict[str, Any]]:
-    """Every feature's beat entries (names are unique across the features and the core)."""
+    """Every feature's beat entries by name (a name the core's schedule has stays the
+    core's: pushsite/celery.py)."""
     schedule: dict[str, dict[str, Any]] = {}
     for path in _named("beat_schedule"):
         entries: Mapping[str, dict[str, Any]] = import_string(path)()

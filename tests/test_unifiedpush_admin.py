@@ -83,6 +83,9 @@ def test_a_p2_component_shows_no_unifiedpush_snippet(operator_client):
     world = build_tenant("plain")
     page = operator_client.get(reverse("admin:relay_component_change", args=[world.component.pk]))
     assert 'id="unifiedpush-snippet"' not in page.content.decode()
+    # Its inline is there, empty, saying how to turn UnifiedPush on.
+    assert 'id="unifiedpush_settings-group"' in page.content.decode()
+    assert "serve only the p2 commands" in page.content.decode()
 
 
 def test_tenant_staff_change_the_lifetime_but_not_the_public_url(db):

@@ -25,6 +25,13 @@ class ComponentSettingsForm(forms.ModelForm):
         model = ComponentSettings
         fields = ("endpoint_url", "token_lifetime_days")
         field_classes = {"endpoint_url": HttpsURLField}
+        help_texts = {
+            "endpoint_url": "Public base URL of this relay's web process (or its reverse "
+            "proxy), e.g. https://push.example.org. Phones (Conversations as UnifiedPush "
+            "distributor) register here for endpoints that apps' servers POST to; the web "
+            "process serves them at <endpoint URL>/push/…. Leave it empty (or delete it) to "
+            "serve only the p2 commands."
+        }
 
 
 class ComponentSettingsInline(admin.StackedInline):
@@ -40,11 +47,6 @@ class ComponentSettingsInline(admin.StackedInline):
     max_num = 1
     verbose_name = "UnifiedPush"
     verbose_name_plural = "UnifiedPush"
-    description = (
-        "Phones (Conversations as UnifiedPush distributor) register here for endpoints that "
-        "apps' servers POST to; the web process serves them at <endpoint URL>/push/…. Leave "
-        "it empty (or delete it) to serve only the p2 commands."
-    )
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         fields = list(super().get_readonly_fields(request, obj))
