@@ -39,6 +39,7 @@ from celery.signals import (
     task_received,
     task_revoked,
     worker_init,
+    worker_process_init,
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
@@ -185,14 +186,28 @@ def _declare_dead_letter_queue(**_: object) -> None:
 _sweepers: list[worker_sweeps.Sweeper] = []
 
 
+def _forks_children(consumer: Any) -> bool:
+    return type(getattr(consumer, "pool", None)).__module__.startswith("celery.concurrency.prefork")
+
+
 @worker_ready.connect(weak=False)
-def _start_sweeper(**_: object) -> None:
+def _start_sweeper(sender: Any = None, **_: object) -> None:
     """Each worker queues the due deferred sends and records the broker's dead letters
-    itself (relay/services/worker_sweeps.py): no beat is needed for an accepted push."""
+    itself (relay/services/worker_sweeps.py): no beat is needed for an accepted push.
+    A prefork worker's children sweep instead (`_start_child_sweeper`): the parent forks a
+    new child whenever one dies, and a sweeper thread of the parent could be holding a lock
+    (a query, a pool) that the child would inherit held."""
+    if not _forks_children(sender):
+        _sweepers.append(worker_sweeps.Sweeper().start())
+
+
+@worker_process_init.connect(weak=False)
+def _start_child_sweeper(**_: object) -> None:
     _sweepers.append(worker_sweeps.Sweeper().start())
 
 
 @worker_shutdown.connect(weak=False)
+@worker_process_shutdown.connect(weak=False)
 def _stop_sweeper(**_: object) -> None:
     while _sweepers:
         _sweepers.pop().stop()

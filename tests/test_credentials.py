@@ -36,6 +36,7 @@ from tests.fakes.apns import (
 )
 from tests.fakes.fcm import FakeFcm, make_service_account, new_private_key_pem
 from tests.fakes.wns import FakeWns
+from tests.support.admin import login_verified
 from tests.support.provider_fakes import change_credentials
 
 KEY_A = Fernet.generate_key().decode()
@@ -564,7 +565,9 @@ def test_certificates_expiring_selects_soon_and_already_expired_ones(tenant):
 
 
 @pytest.fixture
-def admin_client_plain_static(admin_client, settings):
+def admin_client_plain_static(client, admin_user, settings):
+    login_verified(client, admin_user)  # past the second step, as the admin requires
+    admin_client = client
     settings.STORAGES = {
         **settings.STORAGES,
         "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
