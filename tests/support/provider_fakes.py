@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from relay.services.credentials import records
 from tests.fakes.apns import FakeApns, make_p8_key
 from tests.fakes.fcm import FakeFcm
 from tests.fakes.wns import FakeWns
@@ -16,6 +15,10 @@ APNS_TOPIC = "org.example.relay"
 
 def configure(app: Any, service: str, **values: Any) -> None:
     """Store the app's credentials record for `service` (what the admin and YAML write)."""
+    # Imported here: tests/test_faults.py's helper process imports this module before
+    # django.setup(), and the records import the models.
+    from relay.services.credentials import records
+
     records.store(app, service, values)
 
 
@@ -54,6 +57,8 @@ def configure_wns(app: Any, fake: FakeWns) -> None:
 
 
 def change_credentials(app: Any, service: str, **changes: Any) -> None:
+    from relay.services.credentials import records
+
     """Change some fields of the app's stored credentials for `service`, keeping the rest."""
     records.forget(app)
     records.store(app, service, {**records.values_of(app, service), **changes})
