@@ -13,7 +13,7 @@ from relay import features
 
 pytestmark = pytest.mark.defaults
 
-FEATURE_APPS = ("relay.unifiedpush", "relay.windows")
+FEATURE_APPS = ("relay.unifiedpush", "relay.windows", "relay.operators")
 
 
 def test_the_installed_features_parts_are_found():
@@ -27,6 +27,7 @@ def test_the_installed_features_parts_are_found():
     assert resource.paths.fullmatch("/_matrix/push/v1/notify")
     assert not resource.paths.fullmatch("/api/v1/register")
     assert resolve("/api/v1/openapi.json").route.startswith("api/v1/")
+    assert resolve("/admin/second-factor/").url_name == "second_step"  # relay.operators
     assert list(features.beat_schedule()) == ["remove-stale-uwpx-devices"]
     assert features.state_gauge_names() == {
         "relay_unifiedpush_stored_messages",
