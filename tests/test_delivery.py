@@ -777,15 +777,19 @@ def test_a_lone_apps_burst_uses_every_thread_and_is_never_deferred(fresh_limits)
     assert limits.waiting() == {}
 
 
-OTHERS = 100
+OTHERS = 40
 
 
 def test_another_apps_push_goes_out_quickly_during_a_burst(fresh_limits):
     """App 1 bursts (its sends beyond the share wait in their threads while it is alone);
     app 2's messages arrive behind its reserved ones: each time, the app's sends beyond its
-    share step aside, and app 2's wake-up reaches its provider within 50 ms (p99)."""
+    share step aside, so app 2's wake-up goes out next, not after the app 1 messages reserved
+    before it. Counted in sends that start ahead of it, not in milliseconds (a loaded machine
+    stretches both alike); the waits are printed."""
     worker = Worker()
-    burst = QuickProvider(0.02)
+    # Each of app 1's sends holds its thread a tenth of a second: a share slot then frees at
+    # most once while app 2's wake-up waits for a thread, however loaded the machine.
+    burst = QuickProvider(0.1)
     other = QuickProvider(0.0)
     stop = threading.Event()
 
@@ -801,19 +805,25 @@ def test_another_apps_push_goes_out_quickly_during_a_burst(fresh_limits):
         wait_until(lambda: burst.peak >= limits.max_threads_per_app(), what="the burst")
         for n in range(OTHERS):
             worker.receive(other, APP_2.app, f"b-{n}")
-            time.sleep(0.02)
-        wait_until(lambda: len(other.arrived) == OTHERS, timeout=30, what="app 2's wake-ups")
+            wait_until(lambda n=n: f"b-{n}" in other.arrived, what=f"app 2's wake-up {n}")
     finally:
         stop.set()
         feeder.join(30)
         worker.close()
+    burst_starts = sorted(burst.arrived.values())
+    ahead = []
+    for n in range(OTHERS):
+        queued, arrived = worker.queued[f"b-{n}"], other.arrived[f"b-{n}"]
+        ahead.append(sum(1 for started in burst_starts if queued < started < arrived))
     waits = sorted(other.arrived[f"b-{n}"] - worker.queued[f"b-{n}"] for n in range(OTHERS))
-    p99 = waits[int(0.99 * OTHERS) - 1]
     print(
-        f"app 2 during app 1's burst: queued -> provider p50 {waits[20] * 1000:.1f} ms, "
-        f"p99 {p99 * 1000:.1f} ms, max {waits[-1] * 1000:.1f} ms"
+        f"app 2 during app 1's burst: queued -> provider p50 {waits[OTHERS // 2] * 1000:.1f} ms,"
+        f" max {waits[-1] * 1000:.1f} ms; app 1 sends started ahead: max {max(ahead)}"
     )
-    assert p99 < 0.05, waits
+    # Queued behind the prefetch window (THREADS x PREFETCH app 1 messages) without the step
+    # aside, each of app 2's wake-ups would wait for dozens of app 1 sends to start; with it,
+    # at most one per share slot that frees meanwhile.
+    assert max(ahead) <= limits.max_threads_per_app(), ahead
     assert all(worker.results[f"b-{n}"] == SendResult.delivered() for n in range(OTHERS))
     stepped_aside = [r for r in worker.results.values() if r.outcome == Outcome.RETRY_LATER]
     assert stepped_aside and {r.error_code for r in stepped_aside} == {limits.APP_IN_FLIGHT_CAP}
