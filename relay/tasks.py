@@ -30,6 +30,7 @@ waits in the database instead and is queued by the sweep every worker runs
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, NoReturn
 
 from celery import Task, shared_task
@@ -43,7 +44,9 @@ from celery.signals import (
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
+    worker_shutting_down,
 )
+from kombu.asynchronous import get_event_loop
 
 from relay.providers.base import Outcome
 from relay.services import broker_dead_letters, delivery, worker_sweeps
@@ -175,6 +178,20 @@ def _close_providers(**_: object) -> None:
 # prefork children get the first; the threads and solo pools only the second.
 worker_process_shutdown.connect(_close_providers, weak=False)
 worker_shutdown.connect(_close_providers, weak=False)
+
+
+@worker_shutting_down.connect(weak=False)
+def _wake_the_event_loop(**_: object) -> None:
+    """Celery's SIGTERM handler runs on the event loop's own thread, whose poll then sleeps
+    out its timeout (up to 10 s) before the loop sees the stop; a callback queued from another
+    thread wakes it, so a worker stops as soon as its running sends are done."""
+    hub = get_event_loop()
+    if hub is not None:
+        threading.Thread(target=hub.call_soon, args=(_nothing,), daemon=True).start()
+
+
+def _nothing() -> None:
+    pass
 
 
 @worker_ready.connect
