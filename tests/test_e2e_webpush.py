@@ -113,7 +113,14 @@ def test_a_message_to_an_absent_user_reaches_the_subscription_encrypted(
     friend.send_message(phone.bare_jid, "hello, are you there?")
 
     [message] = relay.fake.wait_for(1)
-    holds_for(lambda: len(relay.fake.received) == 1, 2, "nothing more follows one message")
+    holds_for(
+        lambda: len(relay.fake.received) == 1,
+        2,
+        lambda: (
+            f"nothing more follows one message: the service saw {relay.fake.received!r}; "
+            f"publishes answered {relay.verdicts('accepted')}\n{relay.worker.log_tail()}"
+        ),
+    )
     assert message.subscription_id == subscription.id
     assert message.payload() == {
         "account": account_hash(phone.bare_jid, DEVICE_ID),
