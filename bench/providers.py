@@ -1,10 +1,11 @@
 """Delivery-engine benchmark: sends per second per provider through the worker pool, and the
-relay end to end with FCM, APNs and WNS mixed.
+relay end to end with FCM, APNs, WNS and Web Push mixed.
 
 Real worker processes (Celery, threads pool), Redis and PostgreSQL; the provider fakes run as
 processes of their own (tests/fakes/*.py in their `python -m` mode), so the workers speak the
 real wire protocols (FCM over HTTP/1.1 with OAuth, APNs over HTTP/2 with ES256 tokens, WNS
-over HTTP/1.1 with OAuth).
+over HTTP/1.1 with OAuth, Web Push over HTTP/1.1 with VAPID and aes128gcm, which the fake
+decrypts as a browser would).
 
 - Per provider: the warm-up and measured send jobs are queued while no worker runs; then the
   workers start. The figure is measured at the fake, from the last warm-up request to the
@@ -17,7 +18,7 @@ over HTTP/1.1 with OAuth).
   cost with nothing else around it. `--fcm-latency 0.03` has the fake FCM answer 30 ms late, as
   Google would: then the provider's threads, not the CPU, bound the rate.
 - Mixed: publishes over a component link (bench/component_server.py) through the gateway,
-  the broker and the workers, registrations spread over the three providers; the figure is
+  the broker and the workers, registrations spread over the four providers; the figure is
   publishes in to sends out at the fakes.
 
 Prints and writes bench/results/providers.json. Run with PostgreSQL and Redis on loopback:
@@ -57,11 +58,11 @@ from bench.relay import cpu_seconds  # noqa: E402
 
 BENCH_DB = "relay_bench_providers"
 WARMUP = 64
-SERVICES = ("fcm", "apns", "wns")
+SERVICES = ("fcm", "apns", "wns", "webpush")
 
 
 class Fakes:
-    """The three provider fakes as processes, and how to read their counts."""
+    """The provider fakes as processes, and how to read their counts."""
 
     def __init__(self, workdir: Path) -> None:
         self.processes: list[subprocess.Popen[str]] = []
@@ -73,6 +74,8 @@ class Fakes:
         self.fcm_url: str = fcm["url"]
         self.apns = self._start(["tests.fakes.apns", "--write-key", str(self.key_path)])
         self.wns = self._start(["tests.fakes.wns"])
+        self.webpush = self._start(["tests.fakes.webpush"])
+        self._webpush_tokens: list[str] = []
         wait_http(f"{self.fcm_url}/_fake/stats")
 
     def _start(self, argv: list[str]) -> dict[str, Any]:
@@ -93,6 +96,8 @@ class Fakes:
             return sorted(r["time"] for r in get_json(f"{self.fcm_url}/_fake/requests"))
         if service == "apns":
             return get_json(self.apns["control"])["times"]
+        if service == "webpush":
+            return get_json(f"{self.webpush['origin']}/_fake/stats")["times"]
         return get_json(f"{self.wns['base_url']}/_fake/stats")["times"]
 
     def count(self, service: str) -> int:
@@ -100,7 +105,21 @@ class Fakes:
             return int(get_json(f"{self.fcm_url}/_fake/stats")["sends"])
         if service == "apns":
             return int(get_json(self.apns["control"])["sends"])
+        if service == "webpush":
+            return int(get_json(f"{self.webpush['origin']}/_fake/stats")["sends"])
         return int(get_json(f"{self.wns['base_url']}/_fake/stats")["sends"])
+
+    def webpush_token(self) -> str:
+        """A new subscription's token (the fake keeps its private key to decrypt with)."""
+        if not self._webpush_tokens:
+            request = urllib.request.Request(
+                f"{self.webpush['origin']}/_fake/subscribe",
+                data=json.dumps({"count": 500}).encode(),
+                method="POST",
+            )
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                self._webpush_tokens = json.loads(answer.read())
+        return self._webpush_tokens.pop()
 
     def wait_for(self, service: str, count: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -141,6 +160,8 @@ def token_for(service: str, fakes: Fakes, n: int, run: str) -> str:
         return f"bench-{run}-{n}"
     if service == "apns":
         return uuid.uuid4().hex * 2
+    if service == "webpush":
+        return fakes.webpush_token()
     return f"{fakes.wns['base_url']}/channel/{run}{n}?token=bench"
 
 
@@ -225,6 +246,7 @@ def client_for(service: str, fakes: Fakes) -> Any:
     """The provider as the registry builds it for the bench app, in this process."""
     from relay.providers.apns import ApnsConfig, ApnsProvider
     from relay.providers.fcm import FcmConfig, FcmProvider
+    from relay.providers.webpush import WebPushConfig, WebPushProvider, new_private_key
 
     if service == "fcm":
         return FcmProvider(FcmConfig.parse(fakes.sa_path.read_text(), fakes.fcm_url))
@@ -239,6 +261,14 @@ def client_for(service: str, fakes: Fakes) -> Any:
             ca_file=info["ca_file"],
         )
         return ApnsProvider(config)
+    if service == "webpush":
+        return WebPushProvider(
+            WebPushConfig(
+                private_key=new_private_key(),
+                subject="mailto:bench@example.org",
+                endpoint_hosts=(fakes.webpush["host_pattern"],),
+            )
+        )
     raise ValueError(f"no client benchmark for {service}")
 
 
@@ -292,8 +322,10 @@ def bench_mixed(component: Any, fakes: Fakes, args: argparse.Namespace) -> dict[
     from bench.component_server import ComponentServer
     from relay.models import Component
 
+    shares = len(SERVICES)
     per_service = {
-        s: args.pushes // 3 + (1 if i < args.pushes % 3 else 0) for i, s in enumerate(SERVICES)
+        s: args.pushes // shares + (1 if i < args.pushes % shares else 0)
+        for i, s in enumerate(SERVICES)
     }
     warm = {s: make_registrations(component, s, fakes, 10, f"mixwarm{s}") for s in SERVICES}
     measured = {
@@ -401,6 +433,7 @@ def main() -> None:
 
     call_command("migrate", verbosity=0)
     from relay.models import App, Component, Tenant
+    from relay.providers.webpush import new_private_key
     from relay.services import throttling
     from relay.services.credentials import records
     from tests.support import broker
@@ -437,6 +470,15 @@ def main() -> None:
                 "secret": fakes.wns["client_secret"],
                 "token_url": fakes.wns["token_url"],
                 "channel_hosts": fakes.wns["host_pattern"],
+            },
+        )
+        records.store(
+            app,
+            "webpush",
+            {
+                "private_key": new_private_key(),
+                "subject": "mailto:bench@example.org",
+                "endpoint_hosts": fakes.webpush["host_pattern"],
             },
         )
         component = Component.objects.create(

@@ -284,13 +284,51 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length)
-        headers = {name.lower(): value for name, value in self.headers.items()}
-        status, extra = self.owner._handle(self.path, headers, body)
+    def _answer(self, status: int, extra: dict[str, str], body: bytes = b"") -> None:
         self.send_response(status)
         for name, value in extra.items():
             self.send_header(name, value)
-        self.send_header("Content-Length", "0")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        if body:
+            self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        """`GET /_fake/stats` (benchmarks): how many messages were read, and when."""
+        if self.path != "/_fake/stats":
+            self._answer(404, {})
+            return
+        times = sorted(message.received_at for message in self.owner.received)
+        stats = {"sends": len(times), "refusals": len(self.owner.refusals), "times": times}
+        self._answer(200, {"Content-Type": "application/json"}, json.dumps(stats).encode())
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length)
+        if self.path == "/_fake/subscribe":
+            # Benchmarks: `{"count": n}` makes n subscriptions and answers their tokens.
+            count = int(json.loads(body or b"{}").get("count", 1))
+            tokens = [self.owner.subscribe().token() for _ in range(count)]
+            self._answer(200, {"Content-Type": "application/json"}, json.dumps(tokens).encode())
+            return
+        headers = {name.lower(): value for name, value in self.headers.items()}
+        status, extra = self.owner._handle(self.path, headers, body)
+        self._answer(status, extra)
+
+
+def main() -> None:
+    """`python -m tests.fakes.webpush`: prints its origin and host pattern as JSON
+    (benchmarks), then serves until SIGTERM."""
+    import signal
+
+    fake = FakePushService().start()
+    print(json.dumps({"origin": fake.origin, "host_pattern": fake.host_pattern}), flush=True)
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    stopped.wait()
+    fake.stop()
+
+
+if __name__ == "__main__":
+    main()
