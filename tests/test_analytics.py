@@ -557,6 +557,43 @@ def test_unifiedpush_messages_are_a_provider_of_their_own(spark, database, tmp_p
     assert "<td>up</td>" in page
 
 
+def test_web_push_sends_are_a_provider_like_the_others(spark, database, tmp_path):
+    """The fourth provider needs nothing of its own in the reports: alpha's Web Push sends of
+    one day are in the usage report, the error codes, the monthly CSV and the HTML report."""
+    day = date(2026, 9, 15)
+    latencies = [40, 50, 60]
+    database.deliveries(
+        "alpha",
+        "webpush",
+        delivered("a.example", latencies, day)
+        + not_delivered("a.example", "dead_token", "HTTP_410", 2, day)
+        + not_delivered("a.example", "failed", "HTTP_413", 1, day),
+    )
+    database.wait_for_replica()
+    summary = jobs.run(spark, make_config(database, tmp_path, day, day), progress=lambda _: None)
+    assert summary.changed == [day] and summary.rows_read == 6
+
+    rows = usage_rows(database, day)
+    # received (publishes are tallied by the gateway: none here), sent, delivered, dead,
+    # retried, failed, coalesced, limited, refused, unavailable; success rate, p50/p95/p99
+    webpush = (0, 6, 3, 2, 0, 1, 0, 0, 0, 0, 0.5, *latency(latencies))
+    assert rows[("provider", "alpha", "conv", "webpush")] == webpush
+    assert rows[("app", "alpha", "conv", "")] == webpush
+    assert dict(
+        database.rows(
+            "SELECT error_code, count FROM relay_reporterrorcode "
+            "WHERE day = %s AND provider = 'webpush'",
+            (day,),
+        )
+    ) == {"HTTP_410": 2, "HTTP_413": 1}
+    with (tmp_path / "export" / "monthly" / "2026-09" / "alpha.csv").open() as handle:
+        lines = {(row["app"], row["provider"]): row for row in csv.DictReader(handle)}
+    line = lines[("conv", "webpush")]
+    assert (line["pushes_sent"], line["delivered"], line["dead_tokens"]) == ("6", "3", "2")
+    page = (tmp_path / "export" / f"report-{day}-{day}.html").read_text()
+    assert "<td>webpush</td>" in page and "HTTP_410" in page
+
+
 def test_the_job_reads_its_settings_through_the_relays_environment(tmp_path):
     """relay.environment declares every ANALYTICS_* variable once; the job reads them typed,
     empty values as unset, and names a bad one."""
