@@ -43,6 +43,7 @@ import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -429,6 +430,7 @@ class Site:
         from pushsite import security
 
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="web")
+        self.threads = threads
         self.django = django
         self.multiprocess = multiprocess
         self.resources = tuple(resources)
@@ -746,7 +748,25 @@ class Site:
         for connection in list(self.connections):  # answers not taken within the time
             if connection.wire is not None and connection.wire.get_write_buffer_size():
                 hard_close(connection.wire)
+        await self._close_database_connections()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _close_database_connections(self) -> None:
+        """Each thread of the pool closes its own database connections (Django keeps them per
+        thread, persistent): a stopping worker leaves none open for the database to time out.
+        The barrier gives each thread one of these; a thread still busy is left to exit."""
+        from django.db import connections
+
+        barrier = threading.Barrier(self.threads)
+
+        def close() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(self.limits.graceful_seconds)
+            connections.close_all()
+
+        loop = asyncio.get_running_loop()
+        closing = [loop.run_in_executor(self.executor, close) for _ in range(self.threads)]
+        await asyncio.wait(closing, timeout=self.limits.graceful_seconds + 1.0)
 
 
 def hard_close(transport: asyncio.Transport) -> None:

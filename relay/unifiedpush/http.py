@@ -116,6 +116,11 @@ class PushResource:
     def __init__(self) -> None:
         self.channels = AsyncChannels(window=conf.current().unifiedpush_direct_seconds)
 
+    async def aclose(self) -> None:
+        """Closes its connections to the gateways: for a caller whose event loop ends (the
+        web server's lives as long as its process)."""
+        await self.channels.aclose()
+
     def refusal(self, method: str, path: str, header: Header) -> Answer | None:
         """The answer from the head alone, before the body is read (it is then dropped)."""
         if method != "POST":

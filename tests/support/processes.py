@@ -40,11 +40,13 @@ class ServiceProcess:
         self.name = name
         # Our services stop cleanly on SIGTERM once they handle it; `stop()` waits for that.
         self.handles_sigterm = handles_sigterm
-        self.log_path = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
-        )
+        descriptor, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
+        self.log_path = Path(path)
+        # The child writes through its own copy of the descriptor: ours closes at once.
+        with open(descriptor, "wb") as log:
+            self.process = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -100,7 +102,6 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._log.close()
         return self.process.returncode
 
     def kill(self) -> None:

@@ -81,8 +81,15 @@ class PushClient:
         # As Django's test client does: the request must not close the test's connection.
         signals.request_started.disconnect(close_old_connections)
         signals.request_finished.disconnect(close_old_connections)
+
+        async def answer_once() -> Any:
+            try:
+                return await resource.answer(method, decoded, header, kept, in_thread)
+            finally:
+                await resource.aclose()  # on this request's event loop, which ends with it
+
         try:
-            answer = async_to_sync(resource.answer)(method, decoded, header, kept, in_thread)
+            answer = async_to_sync(answer_once)()
         finally:
             signals.request_started.connect(close_old_connections)
             signals.request_finished.connect(close_old_connections)

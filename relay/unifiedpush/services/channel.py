@@ -243,6 +243,10 @@ class _AsyncClient(asyncio.Protocol):
             if not entry[0].done():
                 entry[0].set_result(handover)
 
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
     def _give_up(self) -> None:
         """An answer overdue or garbled: the gateway may be stuck. Every offer waiting here
         is stored by its web process (the phone may get one twice, never none)."""
@@ -299,6 +303,13 @@ class AsyncChannels:
             del self._connecting[address]
             connecting.set_result(client)
         return client
+
+    async def aclose(self) -> None:
+        """Closes the connections, on the loop they were made on (a caller whose loop ends)."""
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            client.close()
+        await asyncio.sleep(0)  # a closed transport lets go of its socket on the next turn
 
     def _lost(self, client: _AsyncClient) -> None:
         for address, known in list(self._clients.items()):
