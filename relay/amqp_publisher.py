@@ -179,12 +179,13 @@ class ConfirmedPublisher:
             _close_quietly(connection)
             raise
         local.pid, local.connection, local.channel = os.getpid(), connection, channel
+        local.closer = _ClosedWithTheThread(connection)
         return channel
 
     def _drop(self) -> None:
         local = self._local
         connection = getattr(local, "connection", None)
-        local.channel = local.connection = None
+        local.channel = local.connection = local.closer = None
         if connection is not None and getattr(local, "pid", None) == os.getpid():
             _close_quietly(connection)
 
@@ -202,6 +203,20 @@ def _declare(channel: amqp.Channel, queue: Queue) -> None:
 
 def _arguments(queue: Queue) -> dict[str, Any]:
     return dict(getattr(queue, "queue_arguments", None) or {})
+
+
+class _ClosedWithTheThread:
+    """Held in the thread's local data only: when a thread that published ends, its data goes
+    and this closes the connection's socket then (a connection and its channels refer to each
+    other, so the connection itself would wait for the garbage collector)."""
+
+    def __init__(self, connection: amqp.Connection) -> None:
+        self.connection = connection
+        self.pid = os.getpid()
+
+    def __del__(self) -> None:
+        if self.pid == os.getpid():  # a forked child's copy is its parent's socket
+            _close_quietly(self.connection)
 
 
 def _close_quietly(connection: amqp.Connection) -> None:

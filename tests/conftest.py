@@ -16,6 +16,17 @@ def _static_root() -> None:
     Path(settings.STATIC_ROOT).mkdir(parents=True, exist_ok=True)
 
 
+@pytest.fixture(autouse=True)
+def _collected_after_each_test():
+    """What a test left to the garbage collector (an unclosed socket, file or transport) is
+    collected at its own teardown: the ResourceWarning, an error (pyproject.toml), then names
+    the test that leaked it, not whichever test the collector happened to run in."""
+    import gc
+
+    yield
+    gc.collect()
+
+
 @pytest.fixture
 def component(db):
     from relay.models import App, Component, Tenant
