@@ -61,11 +61,11 @@ def rss_kib(pid: int) -> int:
     return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
 
 
-def answers_within_a_second(port: int, data: bytes) -> raw_http.Answer:
-    started = time.monotonic()
-    with connect(port, timeout=1.0) as sock:
+def answer_on_a_new_connection(port: int, data: bytes) -> raw_http.Answer:
+    """A new connection's answer: the server is not held by the others (no time is asserted:
+    where it matters, the test checks that the others are still held when it came)."""
+    with connect(port, timeout=30.0) as sock:
         [answer] = exchange(sock, data)
-    assert time.monotonic() - started < 1.0
     return answer
 
 
@@ -207,7 +207,7 @@ def test_clients_that_stop_reading_are_closed_at_the_flush_deadline(web_endpoint
         assert closed_by_peer(sock, timeout=5)
         sock.close()
     assert "web.flush_timeout" in web.log_text()
-    assert answers_within_a_second(port, post(token, b"after")).status == 201
+    assert answer_on_a_new_connection(port, post(token, b"after")).status == 201
 
 
 def test_a_client_pipelining_faster_than_it_is_answered_is_read_no_further_than_a_bound(
@@ -251,7 +251,7 @@ def test_a_client_pipelining_faster_than_it_is_answered_is_read_no_further_than_
     # The kernel's buffers on both sides (4 MiB on loopback here); unbounded grows with time.
     assert most_ahead < 10 * 1024 * 1024, (most_ahead, sent)
     assert rss_kib(worker) - before < 24 * 1024
-    assert answers_within_a_second(port, post(token, b"after")).status == 201
+    assert answer_on_a_new_connection(port, post(token, b"after")).status == 201
 
 
 def test_header_limits_are_the_configured_ones(web_endpoint):
@@ -274,14 +274,20 @@ def test_header_limits_are_the_configured_ones(web_endpoint):
         with connect(port) as sock:
             sock.sendall(request("GET", "/healthz", *lines))
             assert closed_by_peer(sock, timeout=5)
-    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+    assert answer_on_a_new_connection(port, request("GET", "/healthz")).status == 200
 
 
-def test_slow_and_stalled_heads_and_bodies_hold_nothing_others_need(web_endpoint):
+@pytest.fixture
+def stalling_web(transactional_db):
+    """Head and body deadlines (8 s) longer than answering a few requests on a loaded machine."""
+    yield from _web_with_an_endpoint(WEB_HEAD_SECONDS="8", WEB_BODY_SECONDS="8")
+
+
+def test_slow_and_stalled_heads_and_bodies_hold_nothing_others_need(stalling_web):
     """200 connections stall (a head never finished, a body never finished, nothing sent):
-    /healthz and POSTs answer within a second meanwhile, and each stalled one is closed at
-    its deadline (2 s here)."""
-    _, port, _, token = web_endpoint
+    /healthz and POSTs are answered meanwhile, and each stalled one is closed at its deadline
+    (8 s here)."""
+    _, port, _, token = stalling_web
     stalled = []
     for n in range(200):
         sock = connect(port)
@@ -291,10 +297,12 @@ def test_slow_and_stalled_heads_and_bodies_hold_nothing_others_need(web_endpoint
             sock.sendall(post(token, b"z" * 100)[:-50])
         stalled.append(sock)
     for _ in range(3):
-        assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
-        assert answers_within_a_second(port, post(token, b"meanwhile")).status == 201
+        assert answer_on_a_new_connection(port, request("GET", "/healthz")).status == 200
+        assert answer_on_a_new_connection(port, post(token, b"meanwhile")).status == 201
+    # Answered while the stalled ones were still held, not once their deadline freed them.
+    assert raw_http.established(port) >= len(stalled)
     for sock in stalled:
-        assert closed_by_peer(sock, timeout=15)
+        assert closed_by_peer(sock, timeout=30)
         sock.close()
     wait_until(lambda: raw_http.established(port) == 0)
 
@@ -430,7 +438,7 @@ def test_hostile_heads_and_bodies_hold_no_more_than_the_documented_bound(default
     print(f"the worker's RSS: {before} KiB before, {peak} KiB at most meanwhile")
     per_connection = 3 * (16384 + 1024 * 1024 + 256 * 1024) // 1024  # KiB
     assert peak - before < 4 * per_connection + 16 * 1024, (before, peak)
-    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+    assert answer_on_a_new_connection(port, request("GET", "/healthz")).status == 200
 
 
 def test_a_head_is_refused_while_it_is_read(web_endpoint):
@@ -444,7 +452,7 @@ def test_a_head_is_refused_while_it_is_read(web_endpoint):
         assert answer.status == 431 and answer.header("Connection") == "close"
         assert answer.header("X-Content-Type-Options") == "nosniff"
         assert closed_by_peer(sock, timeout=5)
-    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+    assert answer_on_a_new_connection(port, request("GET", "/healthz")).status == 200
 
 
 @pytest.fixture
@@ -459,7 +467,7 @@ def test_at_the_connection_cap_idle_connections_make_room_and_busy_ones_a_503(ca
     is refused with a 503 and Connection: close, and served once they end."""
     web, port, _, token = capped_web
     idle = [connect(port) for _ in range(30)]
-    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+    assert answer_on_a_new_connection(port, request("GET", "/healthz")).status == 200
     wait_until(lambda: raw_http.established(port) <= 20)
     # The oldest went first: the ten (and one more for the request above) opened first.
     assert all(closed_by_peer(sock, timeout=5) for sock in idle[:11])
@@ -484,7 +492,7 @@ def test_at_the_connection_cap_idle_connections_make_room_and_busy_ones_a_503(ca
     for sock in busy:
         sock.close()
     wait_until(lambda: raw_http.established(port) == 0)
-    assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+    assert answer_on_a_new_connection(port, request("GET", "/healthz")).status == 200
     wait_until(lambda: '"web.connection_cap"' in web.log_text())  # said in the log
 
 
@@ -499,7 +507,7 @@ def test_the_connection_cap_stays_below_the_open_file_limit(transactional_db):
         port = int(url.rsplit(":", 1)[1])
         idle = [connect(port) for _ in range(300)]
         for _ in range(3):
-            assert answers_within_a_second(port, request("GET", "/healthz")).status == 200
+            assert answer_on_a_new_connection(port, request("GET", "/healthz")).status == 200
         wait_until(lambda: raw_http.established(port) <= 128)
         for sock in idle:
             sock.close()
