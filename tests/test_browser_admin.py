@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import connections
 from playwright.sync_api import Page, expect, sync_playwright
 
 from relay.models import ComponentLink, Delivery, Registration
@@ -96,6 +97,9 @@ def browser_page(live_server, monkeypatch) -> Iterator[tuple[Page, list[str]]]:
         try:
             yield page, requests
         finally:
+            # Playwright's sync API runs an event loop on this thread: the test's queries
+            # meanwhile had connections of that context (asgiref's Local), not the test's.
+            connections.close_all()
             context.close()
             browser.close()
         assert not csp_violations(console), csp_violations(console)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import connections
 from playwright.sync_api import Page, expect, sync_playwright
 
 from relay.operators.models import AuditEntry, WebAuthnKey
@@ -79,6 +80,9 @@ def browser(live_server, monkeypatch) -> Iterator[tuple[Page, Any]]:
         try:
             yield page, (cdp, added["authenticatorId"])
         finally:
+            # Playwright's sync API runs an event loop on this thread: the test's queries
+            # meanwhile had connections of that context (asgiref's Local), not the test's.
+            connections.close_all()
             context.close()
             chromium.close()
         violations = [
