@@ -41,6 +41,8 @@ from h2.events import ConnectionTerminated, DataReceived, RequestReceived, Strea
 from h2.exceptions import H2Error
 from h2.settings import SettingCodes, Settings
 
+from tests.fakes import announce_and_serve
+
 PUSH_TYPES = frozenset(
     {"alert", "background", "voip", "complication", "fileprovider", "mdm", "liveactivity"}
 )
@@ -656,7 +658,6 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m tests.fakes.apns --write-key /tmp/apns.p8`: prints the endpoint, CA file and
     key ids as JSON; `GET /stats` on the printed control URL counts requests."""
     import argparse
-    import signal
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     parser = argparse.ArgumentParser(description="A fake APNs (HTTP/2) for benchmarks")
@@ -703,11 +704,7 @@ def main(argv: list[str] | None = None) -> None:
         "topic": fake.topic,
         "control": f"http://127.0.0.1:{control.server_address[1]}",
     }
-    print(json.dumps(info), flush=True)
-    stopped = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopped.set())
-    stopped.wait()
+    announce_and_serve(info)
     control.shutdown()
     fake.stop()
 

@@ -24,7 +24,6 @@ import functools
 import json
 import re
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from tests.fakes import announce_and_serve
 from tests.support.waiting import holds_for
 
 GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
@@ -746,12 +746,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_service_account:
         path = write_service_account(fake.service_account(args.project), args.write_service_account)
         info["service_account"] = str(path)
-    print(json.dumps(info), flush=True)
-
-    stopped = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopped.set())
-    stopped.wait()
+    announce_and_serve(info)
     fake.stop()
     print(json.dumps(fake.stats()), file=sys.stderr, flush=True)
 

@@ -29,6 +29,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
+from tests.fakes import announce_and_serve
+
 MAX_JWT_LIFETIME = 24 * 3600
 
 
@@ -319,14 +321,9 @@ class _Handler(BaseHTTPRequestHandler):
 def main() -> None:
     """`python -m tests.fakes.webpush`: prints its origin and host pattern as JSON
     (benchmarks), then serves until SIGTERM."""
-    import signal
 
     fake = FakePushService().start()
-    print(json.dumps({"origin": fake.origin, "host_pattern": fake.host_pattern}), flush=True)
-    stopped = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopped.set())
-    stopped.wait()
+    announce_and_serve({"origin": fake.origin, "host_pattern": fake.host_pattern})
     fake.stop()
 
 

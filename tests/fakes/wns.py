@@ -17,6 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from urllib.parse import parse_qs
 
+from tests.fakes import announce_and_serve
+
 REQUIRED_CHANNEL_HEADERS = {
     "x-wns-type": "wns/raw",
     "content-type": "application/octet-stream",
@@ -328,7 +330,6 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main() -> None:
     """`python -m tests.fakes.wns`: prints its URLs and credentials as JSON (benchmarks)."""
-    import signal
 
     fake = FakeWns().start()
     info = {
@@ -338,11 +339,7 @@ def main() -> None:
         "client_id": fake.client_id,
         "client_secret": fake.client_secret,
     }
-    print(json.dumps(info), flush=True)
-    stopped = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopped.set())
-    stopped.wait()
+    announce_and_serve(info)
     fake.stop()
 
 
