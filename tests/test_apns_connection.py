@@ -213,7 +213,7 @@ def test_the_adapter_sends_through_the_fixed_protocol(fake, key_pem):
         try:
             return await apns_connection.send(client, request(token), 5.0)
         finally:
-            apns_connection.close(client)
+            await apns_connection.close(client)
 
     assert asyncio.run(scenario()).is_successful
     assert [r.token for r in fake.requests] == [token]

@@ -406,7 +406,7 @@ class ApnsProvider:
             self._client = self._runner = None
         if client is not None and runner is not None and runner.usable:
             try:
-                runner.submit(self._close_client(client)).result(5.0)
+                runner.submit(apns_connection.close(client)).result(5.0)
             except Exception as error:  # closing must not fail a credentials change
                 log.warning("APNs client close failed: %s", type(error).__name__)
 
@@ -437,11 +437,6 @@ class ApnsProvider:
                 client = APNs(client_cert=pem.name, **common)
         apns_connection.point_at(client, *config.address)
         return client
-
-    @staticmethod
-    async def _close_client(client: APNs) -> None:
-        apns_connection.close(client)
-        await asyncio.sleep(0)
 
     def _request(self, wakeup: Wakeup) -> NotificationRequest:
         hash_ = wakeup.channel or wakeup.account

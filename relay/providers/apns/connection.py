@@ -116,9 +116,11 @@ def point_at(client: APNs, host: str, port: int) -> None:
     client.pool.protocol_class = _protocol_for(host, port)
 
 
-def close(client: APNs) -> None:
-    """Close the client's connections (call on its loop)."""
+async def close(client: APNs) -> None:
+    """Close the client's connections, on its loop; a closed transport lets go of its socket
+    on the loop's next turn, which this waits for (the loop may end right after)."""
     client.pool.close()
+    await asyncio.sleep(0)
 
 
 async def send(client: APNs, request: NotificationRequest, timeout: float) -> NotificationResult:
