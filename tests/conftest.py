@@ -16,11 +16,12 @@ def _static_root() -> None:
     Path(settings.STATIC_ROOT).mkdir(parents=True, exist_ok=True)
 
 
-@pytest.fixture(autouse=True)
-def _collected_after_each_test():
-    """What a test left to the garbage collector (an unclosed socket, file or transport) is
-    collected at its own teardown: the ResourceWarning, an error (pyproject.toml), then names
-    the test that leaked it, not whichever test the collector happened to run in."""
+@pytest.fixture(scope="module", autouse=True)
+def _collected_after_each_module():
+    """What a module's tests left to the garbage collector (an unclosed socket, file or
+    transport) is collected as its last test ends: the ResourceWarning, an error
+    (pyproject.toml), then names that module, not whichever the collector happened to run in.
+    Once per module: after every test it cost minutes of the suite."""
     import gc
 
     yield
