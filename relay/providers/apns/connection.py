@@ -116,10 +116,19 @@ def point_at(client: APNs, host: str, port: int) -> None:
     client.pool.protocol_class = _protocol_for(host, port)
 
 
-async def close(client: APNs) -> None:
-    """Close the client's connections, on its loop; a closed transport lets go of its socket
-    on the loop's next turn, which this waits for (the loop may end right after)."""
+async def close(client: APNs, timeout: float = 2.0) -> None:
+    """Close the client's connections, on its loop, and wait until each has let go of its
+    socket (TLS says goodbye first, over several turns of the loop, which may end right after);
+    one still open after `timeout` is aborted."""
+    connections = list(client.pool.connections)
     client.pool.close()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while any(not getattr(c, "lost", True) for c in connections) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    for connection in connections:
+        if not getattr(connection, "lost", True) and connection.transport is not None:
+            connection.transport.abort()
     await asyncio.sleep(0)
 
 
