@@ -184,10 +184,10 @@ class ConfirmedPublisher:
 
     def _drop(self) -> None:
         local = self._local
-        connection = getattr(local, "connection", None)
+        closer = getattr(local, "closer", None)
         local.channel = local.connection = local.closer = None
-        if connection is not None and getattr(local, "pid", None) == os.getpid():
-            _close_quietly(connection)
+        if closer is not None:
+            closer.close()
 
     def close(self) -> None:
         self._drop()
@@ -211,12 +211,17 @@ class _ClosedWithTheThread:
     other, so the connection itself would wait for the garbage collector)."""
 
     def __init__(self, connection: amqp.Connection) -> None:
-        self.connection = connection
+        self.connection: amqp.Connection | None = connection
         self.pid = os.getpid()
 
+    def close(self) -> None:
+        """Once; not in a forked child, whose copy is its parent's socket."""
+        connection, self.connection = self.connection, None
+        if connection is not None and self.pid == os.getpid():
+            _close_quietly(connection)
+
     def __del__(self) -> None:
-        if self.pid == os.getpid():  # a forked child's copy is its parent's socket
-            _close_quietly(self.connection)
+        self.close()
 
 
 def _close_quietly(connection: amqp.Connection) -> None:

@@ -99,14 +99,6 @@ def _direct_publisher(broker_url: str) -> amqp_publisher.ConfirmedPublisher | No
     )
 
 
-def close_thread_connection() -> None:
-    """A thread that published and now ends closes its broker connection (the publisher keeps
-    one per thread): left to the thread's end, it would close only when collected."""
-    publisher = _direct_publisher(str(current_app.conf.broker_url))
-    if publisher is not None:
-        publisher.close()
-
-
 _AMQP = ("amqp://", "amqps://", "pyamqp://")
 _delayed_ready: set[str] = set()
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from django.db import DatabaseError, connection
 
 from relay import conf
-from relay.services import queue
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +81,14 @@ class Sweeper:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                now = time.monotonic()
-                for duty in self._duties:
-                    if duty.next_at <= now and not self._stopping.is_set():
-                        self._do(duty)
-                        duty.next_at = max(duty.next_at + duty.every, time.monotonic())
-                nearest = min(duty.next_at for duty in self._duties)
-                self._stopping.wait(max(0.0, nearest - time.monotonic()))
-        finally:
-            with contextlib.suppress(Exception):  # the broker may be away: nothing to close
-                queue.close_thread_connection()
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            for duty in self._duties:
+                if duty.next_at <= now and not self._stopping.is_set():
+                    self._do(duty)
+                    duty.next_at = max(duty.next_at + duty.every, time.monotonic())
+            nearest = min(duty.next_at for duty in self._duties)
+            self._stopping.wait(max(0.0, nearest - time.monotonic()))
 
     @staticmethod
     def _do(duty: _Duty) -> None:

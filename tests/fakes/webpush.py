@@ -321,7 +321,6 @@ class _Handler(BaseHTTPRequestHandler):
 def main() -> None:
     """`python -m tests.fakes.webpush`: prints its origin and host pattern as JSON
     (benchmarks), then serves until SIGTERM."""
-
     fake = FakePushService().start()
     announce_and_serve({"origin": fake.origin, "host_pattern": fake.host_pattern})
     fake.stop()

@@ -330,7 +330,6 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main() -> None:
     """`python -m tests.fakes.wns`: prints its URLs and credentials as JSON (benchmarks)."""
-
     fake = FakeWns().start()
     info = {
         "base_url": fake.base_url,
