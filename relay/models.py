@@ -211,14 +211,6 @@ class Registration(models.Model):
     app = models.ForeignKey(App, on_delete=models.CASCADE, related_name="registrations")
     component = models.ForeignKey(Component, on_delete=models.CASCADE, related_name="registrations")
     service = models.CharField(max_length=8, choices=Service.choices)
-    wns_device = models.ForeignKey(
-        "windows.WnsDevice",
-        on_delete=models.CASCADE,
-        null=True,
-        blank=True,
-        related_name="registrations",
-        help_text="Set for accounts registered over the Windows (UWPX) API.",
-    )
     device_hash = models.CharField(
         max_length=64,
         help_text="sha1(bare JID + NUL + device id); sha256(device id + bare JID) for UWPX",

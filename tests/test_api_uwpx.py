@@ -150,7 +150,7 @@ def test_storage_holds_hashes_and_domains_never_the_jid_or_device_id(client, app
         body["accounts"][0]["secret"],
     )
     device = WnsDevice.objects.get()
-    assert registration.wns_device == device
+    assert registration.wns_account.device == device
     assert device.device_id_hash == uwpx.device_id_hash(DEVICE_ID)
     stored = json.dumps(
         [
@@ -325,7 +325,8 @@ def test_another_devices_account_id_is_refused_without_revealing_it(client, app)
     text = response.content.decode()
     assert victim["accounts"][0]["node"] not in text
     assert victim["accounts"][0]["secret"] not in text
-    assert Registration.objects.get().wns_device.device_id_hash == uwpx.device_id_hash(DEVICE_ID)
+    owner = Registration.objects.get().wns_account.device
+    assert owner.device_id_hash == uwpx.device_id_hash(DEVICE_ID)
 
 
 @pytest.mark.defaults

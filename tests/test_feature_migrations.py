@@ -47,7 +47,7 @@ def test_windows_devices_move_to_their_app_with_their_rows_and_registrations(bac
     device = old.get_model("relay", "WnsDevice").objects.create(
         app=app, device_id_hash="d" * 64, channel_uri="https://db5.notify.windows.com/?token=1"
     )
-    old.get_model("relay", "Registration").objects.create(
+    registration = old.get_model("relay", "Registration").objects.create(
         app=app, component=component, service="wns", wns_device=device, device_hash="h" * 64,
         account_domain="acme.example", token=device.channel_uri, node="n1", secret="s1",
     )  # fmt: skip
@@ -64,12 +64,57 @@ def test_windows_devices_move_to_their_app_with_their_rows_and_registrations(bac
     moved = WnsDevice.objects.get()
     assert (moved.pk, moved.app_id, moved.device_id_hash) == (device.pk, app.pk, "d" * 64)
     assert moved.channel_uri == "https://db5.notify.windows.com/?token=1"
-    assert Registration.objects.get().wns_device == moved
+    assert Registration.objects.get(pk=registration.pk).wns_account.device == moved
     assert ContentType.objects.filter(app_label="windows", model="wnsdevice").exists()
     assert not ContentType.objects.filter(app_label="relay", model="wnsdevice").exists()
-    # The foreign keys still hold: removing the device removes its accounts' registrations.
-    moved.delete()
-    assert not Registration.objects.exists()
+
+
+BEFORE_WNS_ACCOUNTS = [("relay", "0018_webpush"), ("windows", "0001_initial")]
+
+
+def test_a_windows_devices_accounts_move_from_the_registration_to_the_windows_app_and_back(
+    back_to,
+):
+    old = back_to(BEFORE_WNS_ACCOUNTS)
+    tenant = old.get_model("relay", "Tenant").objects.create(name="acme")
+    app = old.get_model("relay", "App").objects.create(tenant=tenant, name="uwpx")
+    component = old.get_model("relay", "Component").objects.create(
+        tenant=tenant, app=app, jid="push.acme.example", secret="x"
+    )
+    devices = old.get_model("windows", "WnsDevice").objects
+    first = devices.create(
+        app=app, device_id_hash="d" * 64, channel_uri="https://a.notify.windows.com/"
+    )
+    second = devices.create(
+        app=app, device_id_hash="e" * 64, channel_uri="https://b.notify.windows.com/"
+    )
+    registrations = old.get_model("relay", "Registration").objects
+
+    def registration(node: str, device: object) -> int:
+        return registrations.create(
+            app=app, component=component, service="wns", wns_device=device, device_hash=node * 64,
+            account_domain="acme.example", token="https://a.notify.windows.com/", node=node,
+            secret="s",
+        ).pk  # fmt: skip
+
+    owned = {registration("a", first): first.pk, registration("b", first): first.pk}
+    owned[registration("c", second)] = second.pk
+    elsewhere = registration("x", None)  # registered over XMPP, no device
+
+    _forwards()
+
+    from relay.models import Registration
+    from relay.windows.models import WnsAccount
+
+    assert dict(WnsAccount.objects.values_list("registration_id", "device_id")) == owned
+    assert Registration.objects.count() == 4
+    assert not WnsAccount.objects.filter(registration_id=elsewhere).exists()
+    assert "wns_device" not in {field.name for field in Registration._meta.get_fields()}
+
+    back = back_to(BEFORE_WNS_ACCOUNTS)
+    restored = back.get_model("relay", "Registration").objects
+    assert dict(restored.filter(pk__in=owned).values_list("pk", "wns_device_id")) == owned
+    assert restored.get(pk=elsewhere).wns_device_id is None
 
 
 BEFORE_UNIFIEDPUSH_SETTINGS = [

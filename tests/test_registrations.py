@@ -29,7 +29,7 @@ from relay.services.registrations import (
     remove_unused_registrations,
     unregister_device,
 )
-from relay.windows.models import WnsDevice
+from relay.windows.models import WnsAccount, WnsDevice
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -246,9 +246,10 @@ def test_unused_registrations_are_removed_used_and_recent_ones_kept(component, f
         push_id=uuid.uuid4(),
     )
     recent = register_account(component, "recent")  # registered now
-    windows = registration(
-        "windows",
-        wns_device=WnsDevice.objects.create(
+    windows = registration("windows")
+    WnsAccount.objects.create(
+        registration=windows,
+        device=WnsDevice.objects.create(
             app=component.app, device_id_hash="h" * 64, channel_uri="https://x.notify.windows.com/"
         ),
     )

@@ -297,8 +297,9 @@ def test_concurrent_registrations_share_a_commit_and_each_is_answered_after_it(
         )
         answer = uwpx.set_accounts(app=kept, device_id=device_id, accounts=_accounts(index))
         registrations = _visible_elsewhere(
-            "SELECT count(*) FROM relay_registration r JOIN relay_wnsdevice d"
-            " ON d.id = r.wns_device_id WHERE d.device_id_hash = %s",
+            "SELECT count(*) FROM relay_registration r JOIN windows_wnsaccount a"
+            " ON a.registration_id = r.id JOIN relay_wnsdevice d ON d.id = a.device_id"
+            " WHERE d.device_id_hash = %s",
             [uwpx.device_id_hash(device_id)],
         )
         return (devices, registrations, answer)
@@ -373,7 +374,7 @@ def test_a_batch_leaves_what_it_cannot_write_plainly_to_each_request_alone(app):
     assert [answer is not None for answer in answers] == [True, False, False, False, True, False]
     assert (
         Registration.objects.filter(
-            wns_device__device_id_hash=uwpx.device_id_hash(_device_id(1))
+            wns_account__device__device_id_hash=uwpx.device_id_hash(_device_id(1))
         ).count()
         == 2
     )  # untouched by the batch

@@ -3,5 +3,6 @@ HTTP JSON (docs/windows-api.md), or over the TLS listener (`manage.py run_uwpx_l
 
 `api` (the ninja views, the schemas, the protocol both entry points share), `services` (the
 rules and the storage), `tasks` (stale devices), `management` (the listener), `models` (the
-devices, `WnsDevice`: the core's registrations of their accounts point at them).
+devices, `WnsDevice`, and their accounts, `WnsAccount`: which of the core's registrations
+each is).
 """

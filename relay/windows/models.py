@@ -1,4 +1,4 @@
-"""The Windows API's data: the devices; their accounts are the core's registrations."""
+"""The Windows API's data: the devices, and which of the core's registrations are their accounts."""
 
 from __future__ import annotations
 
@@ -29,3 +29,21 @@ class WnsDevice(models.Model):
 
     def __str__(self) -> str:
         return f"WNS device {self.device_id_hash[:12]}"
+
+
+class WnsAccount(models.Model):
+    """One account of a device: the core's registration it is.
+
+    The link lives here, not on the registration, so the core names no feature; a device's
+    accounts are removed with it by relay.windows.services, which logs their removal."""
+
+    registration = models.OneToOneField(
+        "relay.Registration",
+        on_delete=models.CASCADE,
+        primary_key=True,
+        related_name="wns_account",
+    )
+    device = models.ForeignKey(WnsDevice, on_delete=models.CASCADE, related_name="accounts")
+
+    def __str__(self) -> str:
+        return f"{self.device} account {self.registration_id}"

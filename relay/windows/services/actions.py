@@ -89,7 +89,7 @@ def _store_channel(*, app: App, digest: str, channel_uri: str) -> bool | None:
         if row is None:
             return None
         lifecycle.renew_logged(
-            Registration.objects.filter(wns_device_id=row[0]),
+            Registration.objects.filter(wns_account__device_id=row[0]),
             token=channel_uri,
             dead_since=None,
             updated=now,
@@ -233,12 +233,12 @@ def _store_accounts(*, app: App, device_id: str, wanted: list[Wanted]) -> Accoun
         if found is not None and item.domain and found.account_domain != item.domain:
             Registration.objects.filter(pk=found.id).update(account_domain=item.domain)
     new = [
-        new_registration(app, component_id, device_pk, item, channel_uri)
+        new_registration(app, component_id, item, channel_uri)
         for item in wanted
         if item.device_hash not in existing
     ]
     if new:
-        sql.insert_registrations(new, at=at)
+        sql.insert_accounts(new, device_pk=device_pk, at=at)
         lifecycle.created(new, at=now, tenant_id=app.tenant_id)
     return accounts_answer(wanted, existing, {reg.device_hash: reg for reg in new}, component_jid)
 
@@ -264,7 +264,7 @@ def request_test_push(*, app: App, device_id: str) -> str:
     validate_device_id(device_id)
     app = load_app(app.public_key)  # rare and a real send: the app as it is now
     device = _device(app=app, device_id=device_id)
-    registrations = Registration.objects.filter(wns_device=device).order_by("id")
+    registrations = Registration.objects.filter(wns_account__device=device).order_by("id")
     registration = registrations.filter(dead_since__isnull=True).first()
     if registration is None:
         if registrations.exists():

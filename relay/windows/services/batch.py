@@ -63,27 +63,35 @@ _BATCH_READ_SQL = (
     f"  ORDER BY c.id LIMIT 1),"
     f" r.id, r.device_hash, r.node, r.secret, r.account_domain, r.token, r.dead_since,"
     f" r.component_id"
-    f" FROM d LEFT JOIN {sql.REGISTRATIONS} r ON r.wns_device_id = d.id"
+    f" FROM d LEFT JOIN {sql.ACCOUNTS} a ON a.device_id = d.id"
+    f" LEFT JOIN {sql.REGISTRATIONS} r ON r.id = a.registration_id"
 )
 _BATCH_TAKEN_SQL = (
-    f"SELECT app_id, device_hash, wns_device_id FROM {sql.REGISTRATIONS}"
-    f" WHERE service = %s AND room_hash = '' AND device_hash = ANY(%s::text[])"
+    f"SELECT r.app_id, r.device_hash, a.device_id FROM {sql.REGISTRATIONS} r"
+    f" LEFT JOIN {sql.ACCOUNTS} a ON a.registration_id = r.id"
+    f" WHERE r.service = %s AND r.room_hash = '' AND r.device_hash = ANY(%s::text[])"
 )
 # The devices touched, the kept registrations renewed (only those still as read: same token,
-# alive), the new ones inserted: one statement.
+# alive), the new ones inserted with their links to their devices: one statement. An account
+# id is one device's within an app (it hashes the device id), so (app, account id) finds the
+# device of each inserted row.
 _BATCH_WRITE_SQL = (
     f"WITH t AS (UPDATE {sql.DEVICES} SET updated = %s WHERE id = ANY(%s::bigint[]) RETURNING id),"
     f" r AS (UPDATE {sql.REGISTRATIONS} g SET component_id = v.component_id, updated = %s"
     f" FROM unnest(%s::bigint[], %s::bigint[], %s::text[]) AS v(id, component_id, token)"
     f" WHERE g.id = v.id AND g.token = v.token AND g.dead_since IS NULL RETURNING g.id),"
-    f" i AS (INSERT INTO {sql.REGISTRATIONS} (app_id, component_id, service, wns_device_id,"
-    f" device_hash, room_hash, account_domain, token, node, secret, created, updated)"
-    f" SELECT n.app_id, n.component_id, %s, n.device_id, n.device_hash, '', n.domain, n.token,"
-    f" n.node, n.secret, %s, %s FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[],"
+    f" n AS (SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[],"
     f" %s::text[], %s::text[], %s::text[], %s::text[], %s::text[])"
-    f" AS n(app_id, component_id, device_id, device_hash, domain, token, node, secret)"
-    f" RETURNING id, wns_device_id, device_hash)"
-    f" SELECT 0, id, '' FROM r UNION ALL SELECT wns_device_id, id, device_hash FROM i"
+    f" AS n(app_id, component_id, device_id, device_hash, domain, token, node, secret)),"
+    f" i AS (INSERT INTO {sql.REGISTRATIONS} (app_id, component_id, service,"
+    f" device_hash, room_hash, account_domain, token, node, secret, created, updated)"
+    f" SELECT n.app_id, n.component_id, %s, n.device_hash, '', n.domain, n.token,"
+    f" n.node, n.secret, %s, %s FROM n RETURNING id, app_id, device_hash),"
+    f" l AS (INSERT INTO {sql.ACCOUNTS} (registration_id, device_id)"
+    f" SELECT i.id, n.device_id FROM i JOIN n ON n.app_id = i.app_id"
+    f" AND n.device_hash = i.device_hash RETURNING registration_id, device_id)"
+    f" SELECT 0, id, '' FROM r UNION ALL SELECT l.device_id, l.registration_id, i.device_hash"
+    f" FROM l JOIN i ON i.id = l.registration_id"
 )
 
 
@@ -189,12 +197,12 @@ def _write_accounts_once(items: Sequence[AccountsItem]) -> list[AccountsAnswer |
         _drop_taken(plans)
         live = [plan for plan in plans if plan is not None]
         renew: list[tuple[int, int, str]] = []
-        insert: list[Registration] = []
+        insert: list[tuple[int, Registration]] = []
         for plan in live:
             renew += [
                 (mine.id, plan.component_id, plan.channel_uri) for mine in plan.existing.values()
             ]
-            insert += plan.new
+            insert += [(plan.device_pk, reg) for reg in plan.new]
         if not live:
             return [None] * len(items)
         renew_columns = [list(column) for column in zip(*renew, strict=True)] or [[], [], []]
@@ -205,23 +213,23 @@ def _write_accounts_once(items: Sequence[AccountsItem]) -> list[AccountsAnswer |
                 [plan.device_pk for plan in live],
                 at,
                 *renew_columns,
+                [reg.app_id for _, reg in insert],
+                [reg.component_id for _, reg in insert],
+                [device_pk for device_pk, _ in insert],
+                [reg.device_hash for _, reg in insert],
+                [reg.account_domain for _, reg in insert],
+                [reg.token for _, reg in insert],
+                [reg.node for _, reg in insert],
+                [reg.secret for _, reg in insert],
                 Service.WNS,
                 at,
                 at,
-                [reg.app_id for reg in insert],
-                [reg.component_id for reg in insert],
-                [reg.wns_device_id for reg in insert],
-                [reg.device_hash for reg in insert],
-                [reg.account_domain for reg in insert],
-                [reg.token for reg in insert],
-                [reg.node for reg in insert],
-                [reg.secret for reg in insert],
             ],
         )
         renewed = {row[1] for row in written if row[0] == 0}
         inserted = {(row[0], row[2]): row[1] for row in written if row[0] != 0}
-        for reg in insert:
-            reg.pk = inserted[(reg.wns_device_id, reg.device_hash)]
+        for device_pk, reg in insert:
+            reg.pk = inserted[(device_pk, reg.device_hash)]
             reg._state.adding = False
         by_tenant: dict[int, list[Registration]] = {}
         for plan in live:
@@ -281,7 +289,7 @@ def _plans(items: Sequence[AccountsItem], rows: list[tuple[Any, ...]]) -> list[_
             plans.append(None)
             continue
         new = [
-            new_registration(item.app, component_id, device_pk, wanted, channel_uri)
+            new_registration(item.app, component_id, wanted, channel_uri)
             for wanted in item.wanted
             if wanted.device_hash not in existing
         ]

@@ -17,7 +17,7 @@ log = logging.getLogger("relay.windows.services")
 
 # The devices' accounts go with their device (below), never by the core's rule for unused
 # registrations (relay.features: `kept_registrations`).
-KEPT_REGISTRATIONS = Q(wns_device__isnull=False)
+KEPT_REGISTRATIONS = Q(wns_account__isnull=False)
 
 
 def remove_stale_devices(
@@ -39,7 +39,7 @@ def remove_stale_devices(
         )
         if not batch:
             break
-        lifecycle.delete_logged(Registration.objects.filter(wns_device_id__in=batch))
+        lifecycle.delete_logged(Registration.objects.filter(wns_account__device_id__in=batch))
         WnsDevice.objects.filter(id__in=batch).delete()
         removed += len(batch)
     log.info("uwpx.stale_devices_removed", extra={"devices": removed, "days": days})

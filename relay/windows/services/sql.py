@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from django.db import InterfaceError, OperationalError, connection
 
 from relay.models import App, Component, ProviderCredentials, Registration, Tenant
-from relay.windows.models import WnsDevice
+from relay.windows.models import WnsAccount, WnsDevice
 
 log = logging.getLogger("relay.windows.services")
 
@@ -70,6 +70,7 @@ APP_SQL = (
     f" WHERE a.public_key = %s"
 )
 DEVICES = WnsDevice._meta.db_table
+ACCOUNTS = WnsAccount._meta.db_table
 REGISTRATIONS = Registration._meta.db_table
 COMPONENTS = Component._meta.db_table
 # The app kept by app_for_key is still its row as it is: id, tenant, key, WNS credentials, and
@@ -101,15 +102,17 @@ SET_CHANNEL_SQL = (
     f" WHERE app_id = %s AND device_id_hash = %s AND {CURRENT} RETURNING id"
 )
 MINE_SQL = (
-    f"SELECT id, device_hash, node, secret, account_domain, token, dead_since, component_id"
-    f" FROM {REGISTRATIONS} WHERE wns_device_id = %s"
+    f"SELECT r.id, r.device_hash, r.node, r.secret, r.account_domain, r.token, r.dead_since,"
+    f" r.component_id FROM {ACCOUNTS} a JOIN {REGISTRATIONS} r ON r.id = a.registration_id"
+    f" WHERE a.device_id = %s"
 )
 # PostgreSQL: touching the device and reading its registrations in one statement.
 TOUCH_AND_READ_SQL = (
     f"WITH d AS ({TOUCH_DEVICE_SQL})"
     f" SELECT d.*, r.id, r.device_hash, r.node, r.secret, r.account_domain, r.token,"
     f" r.dead_since, r.component_id"
-    f" FROM d LEFT JOIN {REGISTRATIONS} r ON r.wns_device_id = d.id"
+    f" FROM d LEFT JOIN {ACCOUNTS} a ON a.device_id = d.id"
+    f" LEFT JOIN {REGISTRATIONS} r ON r.id = a.registration_id"
 )
 # Renews only the rows still as they were read (same token, alive): a renewal without a
 # lifecycle event; the others (changed meanwhile by a worker) go through lifecycle.
@@ -118,14 +121,17 @@ RENEW_SQL = (
     f" updated = %s WHERE token = %s AND dead_since IS NULL AND id IN {{ids}} RETURNING id"
 )
 INSERT_REGISTRATIONS_SQL = (
-    f"INSERT INTO {REGISTRATIONS} (app_id, component_id, service, wns_device_id, device_hash,"
+    f"INSERT INTO {REGISTRATIONS} (app_id, component_id, service, device_hash,"
     f" room_hash, account_domain, token, node, secret, created, updated) VALUES {{rows}}"
     f" RETURNING device_hash, id"
 )
+INSERT_ACCOUNTS_SQL = f"INSERT INTO {ACCOUNTS} (registration_id, device_id) VALUES {{rows}}"
+# The app's registrations of these account ids that are not this device's accounts.
 TAKEN_SQL = (
-    f"SELECT device_hash FROM {REGISTRATIONS} WHERE app_id = %s AND service = %s"
-    f" AND room_hash = '' AND (wns_device_id IS NULL OR wns_device_id <> %s)"
-    f" AND device_hash IN "
+    f"SELECT r.device_hash FROM {REGISTRATIONS} r WHERE r.app_id = %s AND r.service = %s"
+    f" AND r.room_hash = '' AND NOT EXISTS (SELECT 1 FROM {ACCOUNTS} a"
+    f" WHERE a.registration_id = r.id AND a.device_id = %s)"
+    f" AND r.device_hash IN "
 )
 
 
@@ -159,18 +165,22 @@ def fetchone(sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
     return rows[0] if rows else None
 
 
-def insert_registrations(new: list[Registration], *, at: object) -> None:
-    """One multi-row INSERT (cheaper than bulk_create building it)."""
+def insert_accounts(new: list[Registration], *, device_pk: int, at: object) -> None:
+    """The device's new registrations and their links: a multi-row INSERT each (cheaper than
+    bulk_create building them), in the caller's transaction."""
     params: list[object] = []
     for reg in new:
-        params += [reg.app_id, reg.component_id, reg.service, reg.wns_device_id]
+        params += [reg.app_id, reg.component_id, reg.service]
         params += [reg.device_hash, reg.room_hash, reg.account_domain, reg.token]
         params += [reg.node, reg.secret, at, at]
-    rows = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(new))
+    rows = ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"] * len(new))
     ids = dict(fetchall(INSERT_REGISTRATIONS_SQL.format(rows=rows), params))
+    links: list[object] = []
     for reg in new:
         reg.pk = ids[reg.device_hash]
         reg._state.adding = False
+        links += [reg.pk, device_pk]
+    fetchall(INSERT_ACCOUNTS_SQL.format(rows=", ".join(["(%s, %s)"] * len(new))), links)
 
 
 def placeholders(count: int) -> str:

@@ -24,15 +24,13 @@ class Mine:
     component_id: int
 
 
-def new_registration(
-    app: App, component_id: int, device_pk: int, wanted: Wanted, channel_uri: str
-) -> Registration:
-    """A Windows device's registration for one account (the single and the batched path)."""
+def new_registration(app: App, component_id: int, wanted: Wanted, channel_uri: str) -> Registration:
+    """A Windows device's registration for one account (the single and the batched path);
+    its link to the device (WnsAccount) is written with it."""
     return Registration(
         app=app,
         component_id=component_id,
         service=Service.WNS,
-        wns_device_id=device_pk,
         device_hash=wanted.device_hash,
         room_hash="",
         account_domain=wanted.domain,
