@@ -1,8 +1,9 @@
 """Loads the daily aggregates into the primary database, where the admin reads them.
 
 The only place the reports write to the relay's database, and only to the report tables
-(relay/report_models.py). Each load replaces the given days in one transaction, so a
-re-run is idempotent and the admin never sees half a day.
+(relay/report_models.py; UnifiedPush's in relay/unifiedpush/models.py). Each load replaces
+the given days in one transaction, so a re-run is idempotent and the admin never sees half a
+day.
 """
 
 from __future__ import annotations

@@ -361,3 +361,7 @@ class TenantStaffGroup(models.Model):
 
     def __str__(self) -> str:
         return f"{self.group.name} → {self.tenant}"
+
+
+# The reports' records and daily aggregates live in their own module (registered here).
+import relay.report_models  # noqa: E402, F401

@@ -11,7 +11,8 @@ Recorded by the relay (no JID, token, secret or body in any of them):
 
 Written back by the Spark reports (`analytics/`, through `analytics.writer`), one row per day
 and key, read-only in the admin. Tenants and apps are copied by id and name, not linked: a
-billing figure outlives a deleted tenant.
+billing figure outlives a deleted tenant. A feature app keeps its own aggregates (on
+`TenantReportRow`) with its models.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ class ReportLevel(models.TextChoices):
     ALL = "all", "all tenants"
 
 
-class _TenantRow(models.Model):
+class TenantReportRow(models.Model):
+    """A daily aggregate's day and tenant, the tenant copied by id and name (not linked); a
+    feature app's aggregates derive from it too."""
+
     day = models.DateField()
     tenant_id = models.BigIntegerField(null=True, blank=True)
     tenant_name = models.CharField(max_length=100, blank=True)
@@ -130,7 +134,7 @@ class _TenantRow(models.Model):
         abstract = True
 
 
-class ReportUsage(_TenantRow):
+class ReportUsage(TenantReportRow):
     """Usage of one day at one level (`level`: which of tenant, app, provider are set)."""
 
     level = models.CharField(max_length=8, choices=ReportLevel.choices)
@@ -164,7 +168,7 @@ class ReportUsage(_TenantRow):
         return f"{self.day} {self.tenant_name or 'all'} {self.app_name} {self.provider}"
 
 
-class ReportRegistrations(_TenantRow):
+class ReportRegistrations(TenantReportRow):
     app_id = models.BigIntegerField()
     app_name = models.CharField(max_length=100, blank=True)
     provider = models.CharField(max_length=8)
@@ -184,7 +188,7 @@ class ReportRegistrations(_TenantRow):
         return f"{self.day} {self.tenant_name} {self.app_name} {self.provider}"
 
 
-class ReportDomain(_TenantRow):
+class ReportDomain(TenantReportRow):
     """A publishing domain among a tenant's top ones of the day, by volume or failure rate."""
 
     publishing_domain = models.CharField(max_length=255)
@@ -204,7 +208,7 @@ class ReportDomain(_TenantRow):
         return f"{self.day} {self.tenant_name} {self.publishing_domain}"
 
 
-class ReportErrorCode(_TenantRow):
+class ReportErrorCode(TenantReportRow):
     app_id = models.BigIntegerField(null=True, blank=True)  # none for UnifiedPush
     app_name = models.CharField(max_length=100, blank=True)
     provider = models.CharField(max_length=8)
@@ -221,31 +225,7 @@ class ReportErrorCode(_TenantRow):
         return f"{self.day} {self.provider} {self.error_code}: {self.count}"
 
 
-class ReportUnifiedPush(_TenantRow):
-    """UnifiedPush messages (the Matrix gateway's notifications included) of one day, tenant
-    and component: received, how each ended, and the body bytes handed to phones."""
-
-    component_id = models.BigIntegerField(null=True, blank=True)
-    component_name = models.CharField(max_length=255, blank=True)
-    received = models.BigIntegerField(default=0)
-    delivered = models.BigIntegerField(default=0)
-    expired = models.BigIntegerField(default=0)
-    revoked = models.BigIntegerField(default=0)
-    replaced = models.BigIntegerField(default=0)
-    withdrawn = models.BigIntegerField(default=0)
-    dropped = models.BigIntegerField(default=0)
-    bytes_relayed = models.BigIntegerField(default=0)
-
-    class Meta:
-        ordering = ["-day", "tenant_name", "component_name"]
-        verbose_name = "UnifiedPush report"
-        indexes = [models.Index(fields=["day"]), models.Index(fields=["tenant_id"])]
-
-    def __str__(self) -> str:
-        return f"{self.day} {self.tenant_name} {self.component_name}: {self.received}"
-
-
-class ReportAnomaly(_TenantRow):
+class ReportAnomaly(TenantReportRow):
     """A tenant, app or publishing domain whose volume or failure rate moved beyond a
     threshold against its own previous seven days."""
 

@@ -15,9 +15,9 @@ from relay.report_models import (
     ReportDomain,
     ReportErrorCode,
     ReportRegistrations,
-    ReportUnifiedPush,
     ReportUsage,
 )
+from relay.unifiedpush.models import ReportUnifiedPush
 from tests.support.admin import (
     admin_settings,  # noqa: F401 -- fixture
     build_tenant,
@@ -157,13 +157,27 @@ def test_aggregate_tables_are_read_only_and_the_operators(worlds):
         ReportUnifiedPush,
         ReportAnomaly,
     ):
-        name = model._meta.model_name
-        changelist = reverse(f"admin:relay_{name}_changelist")
+        name = f"{model._meta.app_label}_{model._meta.model_name}"
+        changelist = reverse(f"admin:{name}_changelist")
         response = operator.get(changelist)
         assert response.status_code == 200, name
         assert len(response.context["cl"].result_list) >= 2
-        assert operator.get(reverse(f"admin:relay_{name}_add")).status_code == 403
+        assert operator.get(reverse(f"admin:{name}_add")).status_code == 403
         row = model.objects.first()
-        change = operator.get(reverse(f"admin:relay_{name}_change", args=[row.pk]))
+        change = operator.get(reverse(f"admin:{name}_change", args=[row.pk]))
         assert change.status_code == 200 and b'name="_save"' not in change.content
         assert staff.get(changelist).status_code == 403
+
+
+def test_the_unifiedpush_report_belongs_to_its_app_and_keeps_its_table(worlds):
+    """The feature app owns the model; the Spark reports still write its table by name
+    (analytics.writer), and the operator finds it in UnifiedPush's section of the index."""
+    assert ReportUnifiedPush._meta.app_label == "unifiedpush"
+    assert ReportUnifiedPush._meta.db_table == "relay_reportunifiedpush"
+    operator = Client()
+    login_verified(operator, make_operator())
+    changelist = reverse("admin:unifiedpush_reportunifiedpush_changelist")
+    listed = operator.get(changelist).content.decode()
+    assert "up.alpha.example" in listed and "up.bravo.example" in listed
+    section = operator.get(reverse("admin:app_list", args=["unifiedpush"])).content.decode()
+    assert changelist in section and "UnifiedPush reports" in section

@@ -4,6 +4,7 @@ backwards to the core's old state, rows are written there, and forwards again.""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import date
 
 import pytest
 from django.apps.registry import Apps
@@ -167,3 +168,32 @@ def test_unifiedpush_settings_move_to_their_app_and_back(back_to):
         both.pk: ("https://push.acme.example/relay/", 7),
         p2.pk: ("", 7),
     }
+
+
+def test_unifiedpush_reports_move_to_their_app_with_their_rows(back_to):
+    old = back_to([("relay", "0018_webpush"), ("unifiedpush", "0002_componentsettings")])
+    day = date(2026, 11, 30)
+    row = old.get_model("relay", "ReportUnifiedPush").objects.create(
+        day=day, tenant_id=7, tenant_name="acme", component_id=3,
+        component_name="up.acme.example", received=12, delivered=10, expired=2,
+        bytes_relayed=4096,
+    )  # fmt: skip
+    content_types = old.get_model("contenttypes", "ContentType")
+    content_types.objects.get_or_create(app_label="relay", model="reportunifiedpush")
+
+    _forwards()
+
+    from django.contrib.contenttypes.models import ContentType
+
+    from relay.unifiedpush.models import ReportUnifiedPush
+
+    assert ReportUnifiedPush._meta.app_label == "unifiedpush"
+    assert ReportUnifiedPush._meta.db_table == "relay_reportunifiedpush"
+    moved = ReportUnifiedPush.objects.get()
+    assert (moved.pk, moved.day, moved.tenant_id, moved.tenant_name) == (row.pk, day, 7, "acme")
+    assert (moved.component_name, moved.received, moved.delivered, moved.expired) == (
+        "up.acme.example", 12, 10, 2,
+    )  # fmt: skip
+    assert moved.bytes_relayed == 4096
+    assert ContentType.objects.filter(app_label="unifiedpush", model="reportunifiedpush").exists()
+    assert not ContentType.objects.filter(app_label="relay", model="reportunifiedpush").exists()

@@ -21,7 +21,6 @@ from relay.report_models import (
     ReportDomain,
     ReportErrorCode,
     ReportRegistrations,
-    ReportUnifiedPush,
     ReportUsage,
 )
 from relay.services import report_data, tenancy
@@ -135,24 +134,6 @@ class ReportDomainAdmin(ReportAdmin):
 class ReportErrorCodeAdmin(ReportAdmin):
     list_display = ("day", "tenant_name", "app_name", "provider", "outcome", "error_code", "count")
     list_filter = ("provider", "outcome")
-
-
-@admin.register(ReportUnifiedPush)
-class ReportUnifiedPushAdmin(ReportAdmin):
-    list_display = (
-        "day",
-        "tenant_name",
-        "component_name",
-        "received",
-        "delivered",
-        "expired",
-        "revoked",
-        "replaced",
-        "withdrawn",
-        "dropped",
-        "bytes_relayed",
-    )
-    search_fields = ("tenant_name", "component_name")
 
 
 @admin.register(ReportAnomaly)

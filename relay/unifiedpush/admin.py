@@ -1,5 +1,6 @@
-"""UnifiedPush in the admin: its settings on a component's page, and the delivery records
-(read-only, as the other delivery records)."""
+"""UnifiedPush in the admin: its settings on a component's page, the delivery records
+(read-only, as the other delivery records) and its daily report (read-only, the operator's, as
+the other report aggregates)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from relay.admin.base import (
     is_operator_request,
 )
 from relay.admin.components import ComponentPartFormSet
+from relay.admin.reports import ReportAdmin
 from relay.forms import HttpsURLField
 from relay.models import Component
-from relay.unifiedpush.models import ComponentSettings, UnifiedPushDelivery
+from relay.unifiedpush.models import ComponentSettings, ReportUnifiedPush, UnifiedPushDelivery
 
 
 class ComponentSettingsForm(forms.ModelForm):
@@ -87,3 +89,21 @@ class UnifiedPushDeliveryAdmin(ReadOnlyAdmin, TenantScopedAdmin):
     )
     list_select_related = ("component",)
     date_hierarchy = "received"
+
+
+@admin.register(ReportUnifiedPush)
+class ReportUnifiedPushAdmin(ReportAdmin):
+    list_display = (
+        "day",
+        "tenant_name",
+        "component_name",
+        "received",
+        "delivered",
+        "expired",
+        "revoked",
+        "replaced",
+        "withdrawn",
+        "dropped",
+        "bytes_relayed",
+    )
+    search_fields = ("tenant_name", "component_name")

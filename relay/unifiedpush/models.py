@@ -1,7 +1,7 @@
 """UnifiedPush's data: which components serve it, the messages a phone has not taken yet, the
-endpoints it refused, and how each message ended. No JID, endpoint or body is stored in clear
-(docs/unifiedpush.md, Privacy). The message tables keep the names they had in the core app
-(`relay_…`)."""
+endpoints it refused, how each message ended, and the daily report of them. No JID, endpoint
+or body is stored in clear (docs/unifiedpush.md, Privacy). The message and report tables keep
+the names they had in the core app (`relay_…`): the Spark reports write theirs by name."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 
 from relay.models import Component, Tenant
+from relay.report_models import TenantReportRow
 from relay.unifiedpush import endpoint_urls
 
 DEFAULT_TOKEN_LIFETIME_DAYS = 7
@@ -196,5 +197,30 @@ class UnifiedPushDelivery(models.Model):
         return f"UnifiedPush {self.outcome} {self.pk}"
 
 
-# The reports' records and daily aggregates live in their own module (registered here).
-import relay.report_models  # noqa: E402, F401
+class ReportUnifiedPush(TenantReportRow):
+    """UnifiedPush messages (the Matrix gateway's notifications included) of one day, tenant
+    and component: received, how each ended, and the body bytes handed to phones. Written by
+    the Spark reports (analytics.writer), read-only in the admin."""
+
+    component_id = models.BigIntegerField(null=True, blank=True)
+    component_name = models.CharField(max_length=255, blank=True)
+    received = models.BigIntegerField(default=0)
+    delivered = models.BigIntegerField(default=0)
+    expired = models.BigIntegerField(default=0)
+    revoked = models.BigIntegerField(default=0)
+    replaced = models.BigIntegerField(default=0)
+    withdrawn = models.BigIntegerField(default=0)
+    dropped = models.BigIntegerField(default=0)
+    bytes_relayed = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "relay_reportunifiedpush"
+        ordering = ["-day", "tenant_name", "component_name"]
+        verbose_name = "UnifiedPush report"
+        indexes = [
+            models.Index(fields=["day"], name="relay_repor_day_2dc920_idx"),
+            models.Index(fields=["tenant_id"], name="relay_repor_tenant__0570c9_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.tenant_name} {self.component_name}: {self.received}"
