@@ -14,13 +14,14 @@ AppConfig, dotted paths imported when first asked for (after the apps are loaded
 - `state_metrics`: its gauges of /metrics read from the database at a scrape (`StateMetrics`);
 - `kept_registrations`: a filter (Q) of the registrations it removes by its own rule, which the
   core's clean-up of unused registrations leaves alone;
+- `report_charts`: charts of its own on the admin's reports page (`ReportChart`);
 - `gateway_feature`: its part of the gateway (xmppgateway/features.py).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, Protocol
 
 from django.apps import apps
@@ -135,6 +136,23 @@ def state_metrics() -> list[StateMetrics]:
 def state_gauge_names() -> set[str]:
     """The names of the features' gauges (the core's: relay.metrics.STATE_GAUGES)."""
     return {name for part in state_metrics() for name in part.names}
+
+
+class ReportChart(Protocol):
+    """A feature's chart on the admin's reports page, scoped like the page (`tenant_ids`:
+    the tenants the viewer may see, None for all)."""
+
+    # Its heading, and the id of the element that holds it.
+    title: str
+    element_id: str
+
+    def render(self, tenant_ids: Collection[int] | None) -> str:
+        """The chart, as safe HTML (the admin's inline SVG)."""
+        ...
+
+
+def report_charts() -> list[ReportChart]:
+    return [import_string(path) for path in _named("report_charts")]
 
 
 def kept_registrations() -> list[models.Q]:

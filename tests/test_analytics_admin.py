@@ -124,9 +124,11 @@ def test_operator_sees_every_tenant_and_the_totals(worlds):
         "7001",
         "<svg",
         "123.0",
-        # UnifiedPush: its own provider value, its bytes, and a chart of its own.
+        # UnifiedPush: its own provider value, its bytes, and a chart of its own (the
+        # feature's, relay.features `report_charts`).
         str(7000 * 1111),
         "UnifiedPush messages per reported day",
+        'id="report-unifiedpush-chart"><svg',
         "1760 received, 1758 delivered",
     ):
         assert expected in text

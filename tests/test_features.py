@@ -34,6 +34,7 @@ def test_the_installed_features_parts_are_found():
         "relay_windows_devices",
     }
     assert len(features.kept_registrations()) == 1
+    assert [chart.element_id for chart in features.report_charts()] == ["report-unifiedpush-chart"]
 
 
 def test_without_the_feature_apps_the_core_finds_nothing_of_them():
@@ -47,4 +48,5 @@ def test_without_the_feature_apps_the_core_finds_nothing_of_them():
         assert features.beat_schedule() == {}
         assert features.state_metrics() == []
         assert features.kept_registrations() == []
+        assert features.report_charts() == []
     assert [part.key for part in features.component_parts()] == ["unifiedpush"]

@@ -14,6 +14,7 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 
+from relay import features
 from relay.admin.base import OperatorOnlyAdmin, ReadOnlyAdmin
 from relay.admin_charts import daily_chart
 from relay.report_models import (
@@ -24,9 +25,6 @@ from relay.report_models import (
     ReportUsage,
 )
 from relay.services import report_data, tenancy
-
-# The provider value of UnifiedPush messages in the reports (analytics.schema.UNIFIEDPUSH).
-UNIFIEDPUSH = "up"
 
 
 def reports_view(site: admin.AdminSite, request: HttpRequest) -> TemplateResponse:
@@ -40,10 +38,10 @@ def reports_view(site: admin.AdminSite, request: HttpRequest) -> TemplateRespons
         "chart": daily_chart(
             report_data.daily_usage(tenant_ids=tenant_ids), title="Pushes per reported day"
         ),
-        "unifiedpush_chart": daily_chart(
-            report_data.daily_usage(tenant_ids=tenant_ids, provider=UNIFIEDPUSH),
-            title="UnifiedPush messages per reported day",
-        ),
+        "feature_charts": [
+            (chart.title, chart.element_id, chart.render(tenant_ids))
+            for chart in features.report_charts()
+        ],
         "latency": report_data.latency(tenant_ids=tenant_ids),
         "tenants": report_data.usage_per_tenant(tenant_ids=tenant_ids),
         "providers": report_data.usage_per_provider(tenant_ids=tenant_ids),

@@ -22,6 +22,8 @@ class UnifiedPushConfig(AppConfig):
     urlpatterns = "relay.unifiedpush.urls.urlpatterns"
     # Its gauges of /metrics (the messages waiting for phones).
     state_metrics = ("relay.unifiedpush.metrics.state",)
+    # Its chart on the admin's reports page.
+    report_charts = ("relay.unifiedpush.reports.chart",)
 
     def ready(self) -> None:
         from relay.services import retention, tenancy
