@@ -18,12 +18,12 @@ from urllib.parse import urlsplit
 
 import pytest
 from django.contrib.auth.models import User
-from django.db import connections
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from relay.models import ComponentLink, Delivery, Registration
 from tests.fakes.fcm import FakeFcm
 from tests.support.admin import admin_settings  # noqa: F401 -- fixture
+from tests.support.browser import chromium_page
 from tests.support.otp import totp
 from tests.support.ports import free_port
 from tests.support.processes import start_gateway, start_worker
@@ -32,16 +32,6 @@ from tests.support.waiting import wait_until
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("admin_settings")]
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "admin"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-component-update",
-    "--disable-sync",
-]
 PASSWORD = "correct horse battery staple 42"
 COMPONENT_JID = "push.localhost"
 
@@ -62,19 +52,6 @@ def services() -> Iterator[None]:
     assert codes == (0, 0), gateway.log_text()[-2000:] + worker.log_text()[-2000:]
 
 
-# Every Content-Security-Policy violation reaches the console: Chromium's own "Refused to ..."
-# errors, and this listener's line for the ones a page could otherwise swallow.
-REPORT_VIOLATIONS = """
-document.addEventListener("securitypolicyviolation", (event) => {
-  console.error(`CSP violation: ${event.violatedDirective} ${event.blockedURI}`);
-});
-"""
-
-
-def csp_violations(messages: list[str]) -> list[str]:
-    return [text for text in messages if "Content Security Policy" in text or "CSP" in text]
-
-
 @pytest.fixture
 def browser_page(live_server, monkeypatch) -> Iterator[tuple[Page, list[str]]]:
     """A page of a fresh headless Chromium, and the URLs of every request it makes.
@@ -85,24 +62,9 @@ def browser_page(live_server, monkeypatch) -> Iterator[tuple[Page, list[str]]]:
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     requests: list[str] = []
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1440, "height": 900})
-        context.set_default_timeout(20_000)
-        context.add_init_script(REPORT_VIOLATIONS)
-        page = context.new_page()
+    with chromium_page(width=1440) as (page, _):
         page.on("request", lambda request: requests.append(request.url))
-        console: list[str] = []
-        page.on("console", lambda message: console.append(message.text))
-        try:
-            yield page, requests
-        finally:
-            # Playwright's sync API runs an event loop on this thread: the test's queries
-            # meanwhile had connections of that context (asgiref's Local), not the test's.
-            connections.close_all()
-            context.close()
-            browser.close()
-        assert not csp_violations(console), csp_violations(console)
+        yield page, requests
 
 
 def shot(page: Page, name: str) -> None:

@@ -18,34 +18,19 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
-from django.db import connections
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from relay.operators.models import AuditEntry, WebAuthnKey
 from tests.support.admin import (
     STRONG_PASSWORD,
     admin_settings,  # noqa: F401 -- fixture
 )
+from tests.support.browser import chromium_page
 from tests.support.otp import totp
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("admin_settings")]
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "operators"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-component-update",
-    "--disable-sync",
-]
-REPORT_VIOLATIONS = """
-document.addEventListener("securitypolicyviolation", (event) => {
-  console.error(`CSP violation: ${event.violatedDirective} ${event.blockedURI}`);
-});
-"""
 
 
 @pytest.fixture
@@ -55,14 +40,7 @@ def browser(live_server, monkeypatch) -> Iterator[tuple[Page, Any]]:
     No page may trip the Content-Security-Policy (our WebAuthn script is a static file)."""
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = chromium.new_context(viewport={"width": 1280, "height": 900})
-        context.set_default_timeout(20_000)
-        context.add_init_script(REPORT_VIOLATIONS)
-        page = context.new_page()
-        console: list[str] = []
-        page.on("console", lambda message: console.append(message.text))
+    with chromium_page(width=1280) as (page, context):
         cdp = context.new_cdp_session(page)
         cdp.send("WebAuthn.enable")
         added = cdp.send(
@@ -77,18 +55,7 @@ def browser(live_server, monkeypatch) -> Iterator[tuple[Page, Any]]:
                 }
             },
         )
-        try:
-            yield page, (cdp, added["authenticatorId"])
-        finally:
-            # Playwright's sync API runs an event loop on this thread: the test's queries
-            # meanwhile had connections of that context (asgiref's Local), not the test's.
-            connections.close_all()
-            context.close()
-            chromium.close()
-        violations = [
-            text for text in console if "Content Security Policy" in text or "CSP" in text
-        ]
-        assert not violations, violations
+        yield page, (cdp, added["authenticatorId"])
 
 
 def shot(page: Page, name: str) -> None:

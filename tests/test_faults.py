@@ -704,7 +704,8 @@ def test_a_lone_tenants_burst_is_never_deferred(lab: Lab) -> None:
     stream = threading.Thread(target=other.publish_stream, args=(int(RATE * 6), RATE))
     started = time.time()
     stream.start()
-    time.sleep(1.0)
+    # The burst lands in the other tenant's stream: once its first pushes reached FCM.
+    wait_until(lambda: len(other.delivered()) >= RATE // 2, what="the other tenant's stream")
     alone.publish_stream(burst, None, start=burst)
     stream.join()
     settle(lab)
