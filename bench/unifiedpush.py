@@ -57,7 +57,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import percentiles, prepare_database, wait_http, write_results  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
-from tests.support.unifiedpush_components import serving_unifiedpush  # noqa: E402
 from tests.support.xmpp_servers import ProsodyServer  # noqa: E402
 
 BENCH_DB = os.environ.get("UNIFIEDPUSH_BENCH_DB", "unifiedpush_bench")
@@ -476,6 +475,7 @@ def main() -> None:
     call_command("migrate", verbosity=0)
     from relay.models import ComponentLink, Tenant
     from relay.unifiedpush.models import UnifiedPushDelivery, UnifiedPushMessage
+    from tests.support.unifiedpush_components import serving_unifiedpush
 
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"up-bench-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
