@@ -60,6 +60,8 @@ from tests.support.ports import free_port  # noqa: E402
 from tests.support.xmpp_servers import ProsodyServer  # noqa: E402
 
 BENCH_DB = os.environ.get("UNIFIEDPUSH_BENCH_DB", "unifiedpush_bench")
+# The open-loop phases' connections when no closed loop sets them (the largest one does).
+OPEN_LOOP_CONNECTIONS = 64
 UP_NS = "http://gultsch.de/xmpp/drafts/unified-push"
 OURS, PROSODY = "up.localhost", "upm.localhost"
 SECRET = "bench-component-secret"
@@ -431,7 +433,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=15.0, help="measured per phase")
     parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument(
+        "--concurrency", default="16,64", help="closed-loop phases: connections; empty for none"
+    )
     parser.add_argument(
         "--rates",
         default="1000,2000",
@@ -450,7 +454,7 @@ def main() -> None:
         help="RELAY_UNIFIEDPUSH_DIRECT_SECONDS; 0 stores every message first",
     )
     args = parser.parse_args()
-    levels = [int(value) for value in args.concurrency.split(",")]
+    levels = [int(value) for value in args.concurrency.split(",") if value.strip()]
     rates = [int(value) for value in args.rates.split(",") if value.strip()]
 
     admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
@@ -609,7 +613,7 @@ async def measure(
 
         await asyncio.to_thread(register_account, prosody, username, password)
         phones.append(await driver.add_phone(prosody, username, password))
-    most = max(levels)
+    most = max(levels, default=OPEN_LOOP_CONNECTIONS)
     endpoints: dict[str, list[str]] = {OURS: [], PROSODY: []}
     for side in (OURS, PROSODY):
         for index in range(most):
