@@ -204,8 +204,10 @@ def test_a_connection_dropped_under_a_request_raises_connection_closed(fake, key
 
 
 def test_the_adapter_sends_through_the_fixed_protocol(fake, key_pem):
-    """`apns_connection.point_at` and `send` together, as the provider uses them."""
+    """`apns_connection.point_at`, `send` and `close` together, as the provider uses them:
+    closing finds the connection in the pool's `connections` and returns once it is lost."""
     token = secrets.token_hex(32)
+    pooled: list[Any] = []
 
     async def scenario() -> NotificationResult:
         client = new_client(fake, key_pem)
@@ -213,7 +215,9 @@ def test_the_adapter_sends_through_the_fixed_protocol(fake, key_pem):
         try:
             return await apns_connection.send(client, request(token), 5.0)
         finally:
+            pooled.extend(client.pool.connections)
             await apns_connection.close(client)
 
     assert asyncio.run(scenario()).is_successful
     assert [r.token for r in fake.requests] == [token]
+    assert len(pooled) == 1 and pooled[0].lost

@@ -18,6 +18,8 @@ documented way is here, each for a reason:
   (429 TooManyProviderTokenUpdates). It reads and writes the protocol's `transport`, `conn`,
   `requests`, `request_streams`, `request_statuses` and the JWT provider's `key`, `key_id`,
   `team_id`.
+- Closing. `pool.close()` only starts each connection's TLS goodbye; `close` waits on the
+  pool's `connections` until each is lost (a loop ending first would leak their sockets).
 - Sending. Not `APNs.send_notification`: its pool sleeps 1 s after every failed connect before
   it retries, and a send that outlives its timeout cannot be aborted through it; the relay's
   queue does the retrying. `send` takes a connection with `pool.acquire()` and sends on it.
@@ -120,15 +122,15 @@ async def close(client: APNs, timeout: float = 2.0) -> None:
     """Close the client's connections, on its loop, and wait until each has let go of its
     socket (TLS says goodbye first, over several turns of the loop, which may end right after);
     one still open after `timeout` is aborted."""
-    connections = list(client.pool.connections)
+    connections = [c for c in client.pool.connections if isinstance(c, _EndpointProtocol)]
     client.pool.close()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while any(not getattr(c, "lost", True) for c in connections) and loop.time() < deadline:
+    while any(not c.lost for c in connections) and loop.time() < deadline:
         await asyncio.sleep(0.01)
     for connection in connections:
-        if not getattr(connection, "lost", True) and connection.transport is not None:
-            connection.transport.abort()
+        if not connection.lost:
+            connection.abort()
     await asyncio.sleep(0)
 
 
