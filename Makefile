@@ -98,6 +98,7 @@ bench: $(STAMP)
 	$(WITH_SERVICES) $(BIN)/python bench/providers.py
 	$(WITH_SERVICES) $(BIN)/python bench/api.py
 	$(WITH_SERVICES) $(BIN)/python bench/hostile.py
+	$(WITH_SERVICES) $(BIN)/python bench/links.py
 	$(WITH_SERVICES) $(BIN)/python bench/analytics.py
 	$(WITH_SERVICES) $(BIN)/python bench/unifiedpush.py
 

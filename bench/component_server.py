@@ -51,6 +51,11 @@ class ComponentServer:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
+    @property
+    def connected(self) -> bool:
+        """The component's handshake passed."""
+        return self._connected.is_set()
+
     async def wait_connected(self, timeout: float) -> None:
         await asyncio.wait_for(self._connected.wait(), timeout)
 

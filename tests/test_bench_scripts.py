@@ -22,7 +22,12 @@ SCRIPTS = sorted(
 
 
 def test_there_are_benchmarks_to_check() -> None:
-    assert {path.name for path in SCRIPTS} >= {"relay.py", "providers.py", "unifiedpush.py"}
+    assert {path.name for path in SCRIPTS} >= {
+        "relay.py",
+        "providers.py",
+        "unifiedpush.py",
+        "links.py",
+    }
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
