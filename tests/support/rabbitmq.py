@@ -84,7 +84,12 @@ class PrivateRabbit:
         self.process: subprocess.Popen[bytes] | None = None
         self._write_files()
 
-    def _write_files(self) -> None:
+    def join_at_boot(self, peers: list[PrivateRabbit]) -> None:
+        """Next start, a blank node joins the cluster of `peers` (classic_config peer
+        discovery) before it opens its AMQP listener: no client meets it alone."""
+        self._write_files(peers)
+
+    def _write_files(self, peers: list[PrivateRabbit] | None = None) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         cookie = self.home / ".erlang.cookie"
         if not cookie.exists():
@@ -102,6 +107,15 @@ class PrivateRabbit:
                     "disk_free_limit.absolute = 1MB",
                     "log.file.level = warning",
                     "log.console = false",
+                    *(
+                        ["cluster_formation.peer_discovery_backend = classic_config"]
+                        if peers
+                        else []
+                    ),
+                    *(
+                        f"cluster_formation.classic_config.nodes.{n} = {peer.node}"
+                        for n, peer in enumerate(peers or [], start=1)
+                    ),
                     "",
                 ]
             )
@@ -271,12 +285,18 @@ class PrivateRabbitCluster:
         return (via or self.nodes[0]).ctl("cluster_status")
 
     def replace_node(self, node: PrivateRabbit) -> None:
-        """Bring back a node whose disk is gone: forget it on a survivor, start it empty, join
-        it, and give every quorum queue a replica on it again (docs/broker.md)."""
-        survivor = next(other for other in self.nodes if other is not node and other.running())
-        survivor.ctl("forget_cluster_node", node.node)
+        """Bring back a node whose disk is gone: forget it on a survivor, start it empty so
+        that it joins the others as it boots, and give every quorum queue a replica on it
+        again (docs/broker.md). Started alone and joined by hand, it would take connections
+        meanwhile and confirm publishes into a queue of its own that `join_cluster` resets
+        away."""
+        survivors = [other for other in self.nodes if other is not node and other.running()]
+        survivors[0].ctl("forget_cluster_node", node.node)
+        node.join_at_boot(survivors)
         node.start()
-        self.join(node, survivor)
+        status = node.ctl("cluster_status")
+        if survivors[0].node not in status:
+            raise RabbitError(f"{node.node} did not join at boot: {status}")
         node.ctl("grow", node.node, "all", tool="rabbitmq-queues")
 
     def urls(self) -> list[str]:
