@@ -499,6 +499,21 @@ class Environment(BaseSettings):
         "Publishes in one batch at most.",
         group=Group.GATEWAY,
     )
+    direct_send_share: float = var(
+        "RELAY_DIRECT_SEND_SHARE",
+        0.5,
+        "The gateway sends an everyday push itself, without the broker and a worker, while its "
+        "own CPU over the last half second stays under this share of a core; above it, and for "
+        "retries, sends go through the broker. 0: every send goes through the broker.",
+        group=Group.GATEWAY,
+    )
+    direct_sends_in_flight: int = var(
+        "RELAY_DIRECT_SENDS_IN_FLIGHT",
+        8,
+        "Batches one gateway sends itself at once (each in a thread of its own); one app holds "
+        "at most half of them, and none once its oldest is slow.",
+        group=Group.GATEWAY,
+    )
     tally_flush_seconds: float = var(
         "RELAY_TALLY_FLUSH_SECONDS",
         1.0,

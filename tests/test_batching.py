@@ -24,7 +24,7 @@ from relay.providers.fcm import FcmConfig, FcmProvider
 from relay.providers.payloads import FcmPayload
 from relay.services import delivery, queue, throttling
 from relay.services import provider_registry as registry
-from relay.services.publishing import Publish, Verdict, accept_publishes
+from relay.services.publishing import Plan, Publish, Verdict, accept_publishes
 from tests.fakes.fcm import FakeFcm
 from tests.support.broker import queued_jobs_with_eta
 from tests.support.deferred import deferred_jobs
@@ -206,13 +206,18 @@ def test_a_single_publish_is_a_batch_of_one_on_the_single_task(component, clean_
     assert message.args["registration_id"] == registration.pk
 
 
+def planned(publishes: list[Publish], verdicts: list[Verdict]) -> Plan:
+    """What `plan_publishes` returns for a batch whose sends all go through the broker."""
+    return Plan(publishes, {}, list(verdicts), [])
+
+
 def test_the_gateway_batcher_gathers_publishes_into_one_call():
     calls: list[list[Publish]] = []
     answers = [Verdict.ACCEPTED, Verdict.FORBIDDEN, Verdict.RATE_LIMITED]
 
-    async def run_blocking(fn: Any, publishes: list[Publish]) -> list[Verdict]:
+    async def run_blocking(fn: Any, publishes: list[Publish], **kwargs: Any) -> Plan:
         calls.append(publishes)
-        return answers[: len(publishes)]
+        return planned(publishes, answers[: len(publishes)])
 
     async def scenario() -> list[Verdict]:
         batcher = PublishBatcher(run_blocking, limit=10, window=0.05)
@@ -235,11 +240,11 @@ def test_the_gateway_batcher_gathers_publishes_into_one_call():
 def test_the_gateway_batcher_flushes_at_its_limit_and_answers_wait_on_outages():
     calls: list[int] = []
 
-    async def run_blocking(fn: Any, publishes: list[Publish]) -> list[Verdict]:
+    async def run_blocking(fn: Any, publishes: list[Publish], **kwargs: Any) -> Plan:
         calls.append(len(publishes))
         if len(calls) == 2:
             raise Unavailable
-        return [Verdict.ACCEPTED] * len(publishes)
+        return planned(publishes, [Verdict.ACCEPTED] * len(publishes))
 
     async def scenario() -> list[Verdict]:
         batcher = PublishBatcher(run_blocking, limit=2, window=10.0)  # the limit flushes
@@ -261,11 +266,11 @@ def test_the_gateway_batcher_sends_at_once_when_idle_and_gathers_while_a_batch_r
     async def scenario() -> tuple[list[Verdict], list[list[str]]]:
         gate = asyncio.Event()
 
-        async def run_blocking(fn: Any, publishes: list[Publish]) -> list[Verdict]:
+        async def run_blocking(fn: Any, publishes: list[Publish], **kwargs: Any) -> Plan:
             calls.append([p.node for p in publishes])
             if len(calls) == 1:
                 await gate.wait()
-            return [Verdict.ACCEPTED] * len(publishes)
+            return planned(publishes, [Verdict.ACCEPTED] * len(publishes))
 
         batcher = PublishBatcher(run_blocking, limit=10, concurrency=1)  # adaptive
 

@@ -38,7 +38,7 @@ def fake_fcm():
 class Relay:
     """Our service attached to one real XMPP server."""
 
-    def __init__(self, server, fake_fcm, gateway_env=None):
+    def __init__(self, server, fake_fcm, gateway_env=None, *, with_worker=True):
         component_jid, secret = server.components[0]
         tenant = Tenant.objects.create(name="acme")
         self.app = App.objects.create(
@@ -62,14 +62,14 @@ class Relay:
         self.server = server
         self.fake = fake_fcm
         self.gateway = start_gateway(**(gateway_env or {}))
-        self.worker = start_worker()
+        self.worker = start_worker() if with_worker else None
         wait_until(
             lambda: ComponentLink.objects.filter(component=self.component, state="up").exists(),
             what=lambda: f"the link is up\n{self.gateway.log_tail()}",
         )
 
     def stop(self):
-        codes = (self.gateway.stop(), self.worker.stop())
+        codes = (self.gateway.stop(), self.worker.stop() if self.worker else 0)
         assert codes[0] == 0, self.gateway.log_text()[-3000:]
 
     def register(self, client, token, *, device_id=DEVICE_ID, node="register-push-fcm"):
@@ -93,8 +93,8 @@ class Relay:
 def relay_on(fake_fcm):
     relays = []
 
-    def make(server, **gateway_env):
-        relay = Relay(server, fake_fcm, gateway_env)
+    def make(server, *, with_worker=True, **gateway_env):
+        relay = Relay(server, fake_fcm, gateway_env, with_worker=with_worker)
         relays.append(relay)
         return relay
 
@@ -140,6 +140,46 @@ def test_a_message_to_an_absent_user_wakes_the_phone_once(
     registration = Registration.objects.get(node=node)
     assert registration.account_domain == xmpp_server.domain
     assert phone.bare_jid not in repr(Registration.objects.values().get(node=node))
+
+
+def test_an_everyday_push_goes_out_from_the_gateway_without_a_worker(
+    xmpp_server, relay_on, xmpp_client_factory, send_queue
+):
+    """The gateway sends an everyday push itself (relay/services/direct_sends.py) and answers
+    once FCM took it: no broker message, no worker."""
+    relay = relay_on(xmpp_server, with_worker=False)
+    phone = xmpp_client_factory(xmpp_server, "phone")
+    friend = xmpp_client_factory(xmpp_server, "friend")
+    token = f"fcm-token-direct-{xmpp_server.kind}"
+    node, secret = relay.register(phone, token)
+    enable(phone, relay, node, secret)
+    phone.disconnect()
+    friend.send_message(phone.bare_jid, "hello, are you there?")
+
+    [request] = relay.fake.wait_for_requests(1, timeout=30)
+    assert request.message["token"] == token
+    delivery = wait_until(lambda: Delivery.objects.filter(outcome="delivered").first())
+    assert delivery.publishing_domain == xmpp_server.domain
+    wait_until(lambda: _accepted_tallies() == 1, what="the publish answered result")
+    assert broker.depth() == 0
+
+
+def test_with_direct_sends_off_every_push_waits_for_a_worker(
+    xmpp_server, relay_on, xmpp_client_factory, send_queue
+):
+    relay = relay_on(xmpp_server, with_worker=False, RELAY_DIRECT_SEND_SHARE="0")
+    phone = xmpp_client_factory(xmpp_server, "phone")
+    friend = xmpp_client_factory(xmpp_server, "friend")
+    node, secret = relay.register(phone, f"fcm-token-queued-{xmpp_server.kind}")
+    enable(phone, relay, node, secret)
+    phone.disconnect()
+    friend.send_message(phone.bare_jid, "hello, are you there?")
+
+    wait_until(lambda: broker.depth() == 1, what="the push queued for a worker")
+    assert relay.fake.requests == []  # no worker runs: nothing else could have sent it
+    relay.worker = start_worker()
+    relay.fake.wait_for_requests(1, timeout=30)
+    wait_until(lambda: Delivery.objects.filter(outcome="delivered").exists())
 
 
 def test_the_gateway_writes_its_publish_tallies_on_its_timer_and_when_it_stops(
@@ -263,8 +303,13 @@ def test_an_outage_answers_wait_and_ejabberd_keeps_the_registration(
         url = urlsplit(settings.CELERY_BROKER_URL)
         proxy = _through((url.hostname or "127.0.0.1", url.port or 5672))
         # Every publish a send of its own: without coalescing, none waits for beat's sweep
-        # (which this test does not run) as a deferred row.
-        env = {"CELERY_BROKER_URL": broker.through(proxy.port), "RELAY_COALESCE_SECONDS": "0"}
+        # (which this test does not run) as a deferred row. Every send through the broker,
+        # as a busy gateway's go: an everyday one needs no broker (the test below).
+        env = {
+            "CELERY_BROKER_URL": broker.through(proxy.port),
+            "RELAY_COALESCE_SECONDS": "0",
+            "RELAY_DIRECT_SEND_SHARE": "0",
+        }
     try:
         relay = relay_on(ejabberd, **env)
         phone = xmpp_client_factory(ejabberd, "phone")
@@ -295,6 +340,35 @@ def test_an_outage_answers_wait_and_ejabberd_keeps_the_registration(
         assert {request.token for request in relay.fake.requests} == {token}
     finally:
         proxy.close()
+
+
+def test_an_everyday_push_goes_out_while_the_broker_is_away(
+    ejabberd, relay_on, xmpp_client_factory
+):
+    url = urlsplit(settings.CELERY_BROKER_URL)
+    proxy = _through((url.hostname or "127.0.0.1", url.port or 5672))
+    try:
+        relay = relay_on(ejabberd, CELERY_BROKER_URL=broker.through(proxy.port))
+        phone = xmpp_client_factory(ejabberd, "phone")
+        friend = xmpp_client_factory(ejabberd, "friend")
+        token = "fcm-token-broker-away"
+        node, secret = relay.register(phone, token)
+        enable(phone, relay, node, secret)
+        phone.disconnect()
+        proxy.cut()
+        friend.send_message(phone.bare_jid, "while the broker is away")
+        [request] = relay.fake.wait_for_requests(1, timeout=30)
+        assert request.token == token
+        wait_until(lambda: Delivery.objects.filter(outcome="delivered").exists())
+        wait_until(lambda: _accepted_tallies() == 1, what="the publish answered result")
+        assert relay.verdicts("unavailable") == 0
+    finally:
+        proxy.close()
+
+
+def _accepted_tallies() -> int:
+    """Publishes the gateway answered `result`, from its tallies (written every second)."""
+    return sum(PublishTally.objects.filter(verdict="accepted").values_list("count", flat=True))
 
 
 def test_the_link_comes_back_after_the_xmpp_server_restarts(

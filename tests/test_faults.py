@@ -12,7 +12,13 @@ firebase-admin client to the FCM fake, and breaks something a few seconds in:
 - a worker killed with SIGKILL while sends are in flight, repeatedly;
 - in a three-node cluster, one node killed with SIGKILL and its data directory deleted (the
   host is gone), then replaced by an empty node that joins the cluster;
-- the whole broker down for 20 s (the gateway answers `wait` meanwhile).
+- the whole broker down for 20 s (the gateway sends what it can itself and answers `wait`
+  for what it cannot).
+
+Where the path matters, a fault is tried on both: `direct`, the product's defaults, where the
+gateway sends an everyday push itself (relay/services/direct_sends.py) and the broker carries
+only what it does not; and `workers` (RELAY_DIRECT_SEND_SHARE=0), every send through the broker
+and the workers, as on a busy gateway. A test about the workers themselves runs on `workers`.
 
 Then it waits until every accepted push is delivered or dead-lettered and reports (prints
 and asserts): publishes answered `result`, pushes delivered (seen by the fake, unique
@@ -76,6 +82,9 @@ WORKER_THREADS = 16
 KILLS = 3
 DRAIN_TIMEOUT = 90.0
 PROVIDER_TIMEOUT = 5.0  # RELAY_PROVIDER_TIMEOUT_SECONDS's default
+# The send paths (the module's docstring): the settings each starts the processes with.
+PATHS: dict[str, dict[str, str]] = {"direct": {}, "workers": {"RELAY_DIRECT_SEND_SHARE": "0"}}
+BOTH_PATHS = pytest.mark.parametrize("path", list(PATHS))
 
 
 # --- the private servers, shared by the module; a fresh database for each test
@@ -412,6 +421,7 @@ class Report:
     recovery_seconds: float
     drain_seconds: float
     answered_wait: int
+    lost_sent_at: list[float] = field(default_factory=list)  # when each was published
 
     def line(self) -> str:
         dead = ", ".join(f"{n} {reason}" for reason, n in self.dead_letters.items()) or "0"
@@ -421,6 +431,7 @@ class Report:
             f"dead letters: {dead}, lost {self.lost}, {self.duplicates} sent twice, "
             f"{self.without_delivery_row} without a Delivery row; recovery "
             f"{self.recovery_seconds:.1f} s, backlog drained {self.drain_seconds:.1f} s"
+            + (f"; lost ones published at {self.lost_sent_at[:5]}" if self.lost_sent_at else "")
         )
 
 
@@ -449,6 +460,7 @@ def report(lab: Lab, tenant: Tenant, fault: str, back_at: float) -> Report:
         without_delivery_row=sum(1 for t in delivered if t not in rows),
         recovery_seconds=(min(after) - back_at) if after else float("inf"),
         drain_seconds=max(0.0, max(ends) - back_at) if ends else float("inf"),
+        lost_sent_at=sorted(accepted[t] for t in lost),
     )
 
 
@@ -503,18 +515,19 @@ def check(
 # --- the faults
 
 
+@BOTH_PATHS
 @pytest.mark.parametrize("server", ["PostgreSQL", "RabbitMQ", "Redis"])
-def test_a_server_restart_loses_no_push(lab: Lab, server: str) -> None:
+def test_a_server_restart_loses_no_push(lab: Lab, server: str, path: str) -> None:
     """The database, the broker or Redis (state only: throttling, caches; it keeps nothing on
-    disk here, so it comes back empty) restarted (down for 3 s) while the workers are busy."""
+    disk here, so it comes back empty) restarted (down for 3 s) while sends are in flight."""
     more = 40  # published at once when the server is back (RabbitMQ takes a while to start)
     tenant = lab.add_tenant(server.lower(), PUBLISHES + BURST + more)
     if server == "PostgreSQL":
         tenant.fcm.respond(None, 200, delay=0.1)  # sends in flight when the database goes
-        # Shorter than the outage: the workers hand messages and bookkeeping to the broker.
-        lab.start(RELAY_DATABASE_RETRY_SECONDS="1")
+        # Shorter than the outage: the senders hand messages and bookkeeping to the broker.
+        lab.start(RELAY_DATABASE_RETRY_SECONDS="1", **PATHS[path])
     else:
-        lab.start()
+        lab.start(**PATHS[path])
     offsets: list[int] = []
 
     def restart() -> float:
@@ -535,17 +548,24 @@ def test_a_server_restart_loses_no_push(lab: Lab, server: str) -> None:
         return back
 
     back_at = run_stream_with_fault(lab, tenant, restart)
-    result = report(lab, tenant, f"{server} restart", back_at)
+    result = report(lab, tenant, f"{server} restart ({path})", back_at)
     check(result, lab)
-    # Every worker replaced its dead connections (a broker reconnect never kills one); after a
-    # database restart each delivers again (after a broker restart one worker may prefetch
-    # all that is left).
+    # Every worker replaced its dead connections (a broker reconnect never kills one); when
+    # they carry the sends, after a database restart each delivers again (after a broker
+    # restart one worker may prefetch all that is left). On the direct path the gateway
+    # delivered what was published after the fault (`check`: recovery).
     for worker, offset in zip(lab.workers, offsets, strict=True):
         assert worker.alive(), worker.log_text()[-3000:]
-        if server in ("PostgreSQL", "Redis"):
+        if server == "RabbitMQ":
+            wait_until(
+                lambda worker=worker, offset=offset: worker_logged_after(
+                    worker, offset, "Connected to amqp"
+                ),
+                timeout=60,
+                what=f"{worker.name} reconnected",
+            )
+        elif path == "workers":
             assert worker_delivered_after(worker, offset) > 0, f"{worker.name} never recovered"
-        else:
-            assert worker_logged_after(worker, offset, "Connected to amqp"), worker.name
 
 
 def test_worker_sigkill_loses_no_push(lab: Lab) -> None:
@@ -555,7 +575,7 @@ def test_worker_sigkill_loses_no_push(lab: Lab) -> None:
     more = 40  # publishes at once before each later kill
     tenant = lab.add_tenant("kill", PUBLISHES + BURST + (KILLS - 1) * more)
     tenant.fcm.respond(None, 200, delay=0.2)  # sends in flight when the worker dies
-    lab.start()
+    lab.start(**PATHS["workers"])
 
     def kill_workers() -> float:
         first = time.time()
@@ -802,7 +822,7 @@ def test_the_send_handed_to_a_worker_as_it_is_killed_is_not_lost(lab: Lab) -> No
     taken the message out of every list: it was never seen again. RabbitMQ holds it
     unacknowledged and gives it back when the dead worker's connection closes."""
     tenant = lab.add_tenant("handover", 3)
-    lab.start(workers=1)
+    lab.start(workers=1, **PATHS["workers"])
     tenant.publish_stream(1, None)  # the worker is up and idle, its next pop outstanding
     wait_until(lambda: len(tenant.delivered()) == 1, timeout=30)
     [worker] = lab.workers
@@ -842,8 +862,9 @@ def cluster_lab(servers: Servers) -> Iterator[tuple[Lab, PrivateRabbitCluster]]:
             lab.logs = lab.close()
 
 
+@BOTH_PATHS
 def test_a_cluster_node_lost_with_its_disk_loses_no_push(
-    cluster_lab: tuple[Lab, PrivateRabbitCluster],
+    cluster_lab: tuple[Lab, PrivateRabbitCluster], path: str
 ) -> None:
     """Three RabbitMQ nodes; the one every process connected to first (and where the quorum
     queue's leader started) is killed with SIGKILL mid-stream and its data directory deleted:
@@ -852,7 +873,7 @@ def test_a_cluster_node_lost_with_its_disk_loses_no_push(
     lab, cluster = cluster_lab
     tenant = lab.add_tenant("hostlost", PUBLISHES + BURST)
     tenant.fcm.respond(None, 200, delay=0.05)
-    lab.start()
+    lab.start(**PATHS[path])
     replaced: list[float] = []
 
     def lose_a_host() -> float:
@@ -866,7 +887,7 @@ def test_a_cluster_node_lost_with_its_disk_loses_no_push(
         return killed_at
 
     back_at = run_stream_with_fault(lab, tenant, lose_a_host)
-    result = report(lab, tenant, "cluster node SIGKILL + data deleted", back_at)
+    result = report(lab, tenant, f"cluster node SIGKILL + data deleted ({path})", back_at)
     print(f"replacing the node took {replaced[0]:.1f} s")
     # Counted from the kill: the workers fail over and the queue elects a new leader while the
     # node is being replaced (14-19 s measured at load 20).
@@ -875,13 +896,15 @@ def test_a_cluster_node_lost_with_its_disk_loses_no_push(
     assert cluster.nodes[0].node in status, status  # the new node holds a replica again
 
 
-def test_the_whole_broker_down_for_20_seconds_loses_no_accepted_push(lab: Lab) -> None:
+@BOTH_PATHS
+def test_the_whole_broker_down_for_20_seconds_loses_no_accepted_push(lab: Lab, path: str) -> None:
     """RabbitMQ stopped for 20 s mid-stream: the gateway answers `wait` (within
     CELERY_CONFIRM_TIMEOUT) for what it cannot queue, and every push answered `result` before,
-    during or after is delivered."""
+    during or after is delivered. On the direct path the gateway queues nothing at this rate:
+    it sends every push itself, and answers `result` throughout."""
     more = 40  # published once the broker is back
     tenant = lab.add_tenant("down", PUBLISHES + BURST + more)
-    lab.start()
+    lab.start(**PATHS[path])
 
     def broker_down() -> float:
         assert lab.rabbit is not None
@@ -893,8 +916,11 @@ def test_the_whole_broker_down_for_20_seconds_loses_no_accepted_push(lab: Lab) -
         return back
 
     back_at = run_stream_with_fault(lab, tenant, broker_down)
-    result = report(lab, tenant, "whole broker down 20 s", back_at)
+    result = report(lab, tenant, f"whole broker down 20 s ({path})", back_at)
     check(result, lab)
-    assert result.answered_wait > 0, result.line()  # publishes during the outage
+    if path == "workers":
+        assert result.answered_wait > 0, result.line()  # publishes during the outage
+    else:
+        assert result.answered_wait == 0, result.line()
     answered = tenant.answers()
     assert len(answered) == len(tenant.sent), "a publish went unanswered"

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import psycopg
 import pytest
@@ -26,13 +27,17 @@ from django.db import connection
 from relay import tasks
 from relay.models import Delivery, Registration, Service
 from relay.providers.base import Outcome
-from relay.services import delivery, throttling
+from relay.services import delivery, direct_sends, throttling
 from relay.services import provider_limits as limits
 from relay.services import provider_registry as registry
+from relay.services.publishing import Publish, Verdict, plan_publishes
 from tests.fakes.fcm import FakeFcm
+from tests.support import broker
+from tests.support.broker import queued_jobs_with_eta
 from tests.support.processes import test_database_url
 from tests.support.provider_fakes import configure_fcm
 from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_until
 from tests.test_delivery import make_job, relay_settings
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -164,3 +169,112 @@ def test_a_deferral_the_broker_refuses_is_requeued_not_dropped():
 
     with pytest.raises(Retry):
         tasks._defer(BrokerUp())
+
+
+# --- the gateway's own sends (relay/services/direct_sends.py) ------------------------------------
+
+
+def _planned(*registrations: Registration) -> tuple[Any, Any]:
+    plan = plan_publishes(
+        [
+            Publish(
+                component_id=registration.component_id,
+                publishing_domain="localhost",
+                node=registration.node,
+                secret="secret",
+                important=True,
+            )
+            for registration in registrations
+        ],
+        claim=lambda app: True,
+    )
+    [send] = plan.direct
+    return plan, send
+
+
+def _cut_once(proxy: TcpProxy, fcm: FakeFcm, tokens: list[str]) -> threading.Thread:
+    """Cut the database while the sends to `tokens` are in flight (FCM has them and holds
+    its answers back)."""
+
+    def cut() -> None:
+        wait_until(
+            lambda: all(fcm.requests_for(token) for token in tokens),
+            timeout=30,
+            what="the sends reached FCM",
+        )
+        proxy.cut()
+
+    thread = threading.Thread(target=cut, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_direct_send_whose_bookkeeping_the_database_lost_keeps_it_in_the_broker(
+    fcm_registration, send_queue
+):
+    fcm, registration = fcm_registration
+    plan, send = _planned(registration)
+    fcm.respond(registration.token, 200, delay=2.0)
+    proxy = proxy_to_database()
+    try:
+        with database_through(proxy), relay_settings(DATABASE_RETRY_SECONDS=0.5):
+            cutter = _cut_once(proxy, fcm, [registration.token])
+            assert direct_sends.send_planned(plan, send) == [Verdict.ACCEPTED]
+            cutter.join()
+    finally:
+        proxy.close()
+    assert not Delivery.objects.filter(push_id=send.jobs[0].push_id).exists()
+    [message] = queued_jobs_with_eta()
+    assert message.task == direct_sends.RECORD_OUTCOMES
+    assert registration.token not in str(message.job)  # plain data, no token
+    delivery.record(delivery.Bookkeeping.from_message(message.job))
+    assert Delivery.objects.get(push_id=send.jobs[0].push_id).outcome == Outcome.DELIVERED
+    assert len(fcm.requests_for(registration.token)) == 1
+
+
+def test_a_direct_retry_that_neither_store_took_is_answered_wait(fcm_registration, send_queue):
+    """The database lost during the sends and the broker away too: the delivered push is
+    `result`, the retry that exists nowhere is `wait` (its server may publish again)."""
+    fcm, registration = fcm_registration
+    retried = Registration.objects.create(
+        app=registration.app,
+        component=registration.component,
+        service=Service.FCM,
+        device_hash="1" * 40,
+        account_domain="localhost",
+        token="db-fault-retried",
+        node="db-fault-retried-node",
+        secret="secret",
+    )
+    plan, send = _planned(registration, retried)
+    fcm.respond(registration.token, 200, delay=2.0)
+    fcm.respond(retried.token, 503, delay=2.0)
+    proxy = proxy_to_database()
+    try:
+        with database_through(proxy), relay_settings(DATABASE_RETRY_SECONDS=0.5):
+            cutter = _cut_once(proxy, fcm, [registration.token, retried.token])
+            with broker.away():
+                answers = direct_sends.send_planned(plan, send)
+            cutter.join()
+    finally:
+        proxy.close()
+    assert answers == [Verdict.ACCEPTED, Verdict.UNAVAILABLE]
+    assert queued_jobs_with_eta() == []
+
+
+def test_a_direct_send_without_the_database_goes_through_the_broker_unsent(
+    fcm_registration, send_queue
+):
+    fcm, registration = fcm_registration
+    plan, send = _planned(registration)
+    registry.close_all()  # the app must be read again, and the database is away
+    proxy = proxy_to_database()
+    try:
+        with database_through(proxy), relay_settings(DATABASE_RETRY_SECONDS=0.5):
+            proxy.cut()
+            assert direct_sends.send_planned(plan, send) == [Verdict.ACCEPTED]
+    finally:
+        proxy.close()
+    assert fcm.requests_for(registration.token) == []
+    [message] = queued_jobs_with_eta()
+    assert (message.task, message.job["push_id"]) == ("relay.send_push", send.jobs[0].push_id)

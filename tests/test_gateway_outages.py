@@ -63,10 +63,12 @@ def test_broker_outage_answers_wait_and_recovers(transactional_db):
         component=component, service=Service.FCM, bare_jid="a@localhost", device_id="d", token="t"
     )
     broker.purge()
-    # Every publish a send of its own (no coalescing, which keeps a repeat in the database):
-    # each one needs the broker.
+    # Every publish a send of its own (no coalescing, which keeps a repeat in the database),
+    # and each through the broker (not the gateway's own sends, which need none).
     gateway = start_gateway(
-        CELERY_BROKER_URL=broker.through(proxy.port), RELAY_COALESCE_SECONDS="0"
+        CELERY_BROKER_URL=broker.through(proxy.port),
+        RELAY_COALESCE_SECONDS="0",
+        RELAY_DIRECT_SEND_SHARE="0",
     )
     try:
         server.wait_connected(gateway=gateway)

@@ -114,7 +114,9 @@ def make_component(port: int) -> Component:
 
 @pytest.fixture
 def lab(request):
-    env = getattr(request, "param", {}) or {}
+    # These tests read what a publish queued, so the gateway leaves every send to the
+    # workers (tests/test_direct_sends.py and the end-to-end tests cover its own sends).
+    env = {"RELAY_DIRECT_SEND_SHARE": "0", **(getattr(request, "param", {}) or {})}
     server = FakeXmppServer(COMPONENT, SECRET)
     component = make_component(server.port)
     registration = register_device(

@@ -24,7 +24,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,7 +34,15 @@ from django.db import close_old_connections, connections
 from relay import conf
 from relay.models import Component, LinkState
 from relay.probes import ProbeServer
-from relay.services import health, link_leases, links, publishing, tallies
+from relay.services import (
+    direct_sends,
+    health,
+    link_leases,
+    links,
+    provider_registry,
+    publishing,
+    tallies,
+)
 from relay.services.publishing import Publish, Verdict
 from relay.services.queue import QueueUnavailable
 from xmppgateway import features
@@ -233,14 +241,17 @@ class PublishBatcher:
         limit: int,
         window: float = 0.0,
         concurrency: int = 0,
+        direct: DirectPath | None = None,
     ) -> None:
         self._run_blocking = run_blocking
         self.limit = max(1, limit)
         self.window = max(0.0, window)
         self.concurrency = max(0, concurrency)
+        self.direct = direct
         self._pending: list[tuple[Publish, asyncio.Future[Verdict]]] = []
         self._scheduled = False
         self._running: set[asyncio.Task[None]] = set()
+        self._sending: set[asyncio.Task[None]] = set()
 
     def _may_start(self) -> bool:
         return not self.concurrency or len(self._running) < self.concurrency
@@ -280,18 +291,98 @@ class PublishBatcher:
                 self._flush()
 
     async def _accept_batch(self, batch: list[tuple[Publish, asyncio.Future[Verdict]]]) -> None:
+        publishes = [publish for publish, _ in batch]
+        claimed: list[int] = []
         try:
-            verdicts = await self._run_blocking(
-                publishing.accept_publishes, [publish for publish, _ in batch]
+            plan = await self._run_blocking(
+                publishing.plan_publishes, publishes, claim=self._claim(claimed)
             )
-        except Unavailable:
-            verdicts = [Verdict.UNAVAILABLE] * len(batch)
-        except Exception as error:  # a bug must not leave publishes unanswered
-            log.exception("gateway.batch_crashed", extra={"error_type": type(error).__name__})
-            verdicts = [Verdict.UNAVAILABLE] * len(batch)
-        for (_, future), verdict in zip(batch, verdicts, strict=True):
-            if not future.done():  # its handler may have timed out meanwhile
-                future.set_result(verdict)
+        except Exception as error:
+            if not isinstance(error, Unavailable):  # a bug must not leave publishes unanswered
+                log.exception("gateway.batch_crashed", extra={"error_type": type(error).__name__})
+            if self.direct is not None:
+                for app in claimed:
+                    self.direct.budget.release(app)
+            _answer(batch, range(len(batch)), [Verdict.UNAVAILABLE] * len(batch))
+            return
+        decided = [index for index, verdict in enumerate(plan.verdicts) if verdict is not None]
+        _answer(batch, decided, [plan.verdicts[index] or Verdict.UNAVAILABLE for index in decided])
+        for send in plan.direct:
+            task = asyncio.ensure_future(self._send_direct(batch, plan, send))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    def _claim(self, claimed: list[int]) -> Callable[[int], bool] | None:
+        """The planning call's `claim`: which apps' sends this gateway sends itself."""
+        if self.direct is None:
+            return None
+        budget = self.direct.budget
+
+        def claim(app: int) -> bool:
+            if budget.claim(app):
+                claimed.append(app)
+                return True
+            return False
+
+        return claim
+
+    async def _send_direct(
+        self,
+        batch: list[tuple[Publish, asyncio.Future[Verdict]]],
+        plan: publishing.Plan,
+        send: publishing.DirectSend,
+    ) -> None:
+        assert self.direct is not None
+        try:
+            verdicts = await self.direct.run(direct_sends.send_planned, plan, send)
+        except Exception as error:
+            if not isinstance(error, Unavailable):
+                log.exception("gateway.direct_crashed", extra={"error_type": type(error).__name__})
+            verdicts = [Verdict.UNAVAILABLE] * len(send.indices)
+        finally:
+            self.direct.budget.release(send.app)
+        _answer(batch, send.indices, verdicts)
+
+
+def _answer(
+    batch: list[tuple[Publish, asyncio.Future[Verdict]]],
+    indices: Iterable[int],
+    verdicts: list[Verdict],
+) -> None:
+    for index, verdict in zip(indices, verdicts, strict=True):
+        future = batch[index][1]
+        if not future.done():  # its handler may have timed out meanwhile
+            future.set_result(verdict)
+
+
+class DirectPath:
+    """The sends this gateway makes itself (relay/services/direct_sends.py): its budget and
+    the threads they run in, apart from the database calls' so that a slow provider holds
+    no lookup."""
+
+    def __init__(self, *, share: float, in_flight: int) -> None:
+        self.budget = direct_sends.Budget(share=share, in_flight=in_flight)
+        self.executor = ThreadPoolExecutor(
+            max_workers=max(1, in_flight), thread_name_prefix="gateway-send"
+        )
+
+    @classmethod
+    def configured(cls) -> DirectPath | None:
+        relay = conf.current()
+        if relay.direct_send_share <= 0 or relay.direct_sends_in_flight <= 0:
+            return None
+        return cls(share=relay.direct_send_share, in_flight=relay.direct_sends_in_flight)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.executor, functools.partial(_guarded_call, fn, *args)
+        )
+
+    def close(self) -> None:
+        """Once the links are closed (every publish answered): no send is left in flight."""
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        provider_registry.close_all()
 
 
 class Gateway:
@@ -317,6 +408,7 @@ class Gateway:
             limit=conf.current().publish_batch_max,
             window=conf.current().publish_batch_seconds,
             concurrency=conf.current().publish_batch_concurrency,
+            direct=DirectPath.configured(),
         )
         self.links: dict[int, Link] = {}
         self.synced = False
@@ -510,6 +602,8 @@ class Gateway:
             released = await self.run_lease_call(link_leases.leave, gateway=self.name)
         except Unavailable:
             released = None  # they expire within GATEWAY_LEASE_SECONDS
+        if self.publishes.direct is not None:
+            self.publishes.direct.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.lease_executor.shutdown(wait=True, cancel_futures=True)
         log.info("gateway.stopped", extra={"leases_released": released})

@@ -36,6 +36,7 @@ options name a key for it).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import enum
 import functools
@@ -361,6 +362,20 @@ def _load_registrations(ids: set[int]) -> dict[int, Registration]:
         registration = _registration(columns, row[:-1])
         registrations[registration.pk] = registration
         versions[registration.app_id] = _aware(row[-1])
+    return _with_apps(registrations, versions)
+
+
+def _read_already(known: dict[int, Registration]) -> dict[int, Registration]:
+    """Registrations the caller read moments ago (the gateway's lookup, every column, and
+    its app's `updated`): copies with their apps, without reading them again."""
+    registrations = {pk: copy.copy(registration) for pk, registration in known.items()}
+    versions = {r.app_id: r.app.updated for r in known.values()}
+    return _with_apps(registrations, versions)
+
+
+def _with_apps(
+    registrations: dict[int, Registration], versions: dict[int, datetime]
+) -> dict[int, Registration]:
     apps = registry.apps(versions)
     for registration in list(registrations.values()):
         app = apps.get(registration.app_id)
@@ -371,7 +386,9 @@ def _load_registrations(ids: set[int]) -> dict[int, Registration]:
     return registrations
 
 
-def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
+def deliver_many(
+    jobs: list[queue.SendJob], *, registrations: dict[int, Registration] | None = None
+) -> list[Outcome]:
     """Send a batch of queued pushes; one outcome per job, in order.
 
     Each job ends exactly as `deliver` alone would end it (retried with its own backoff and
@@ -380,14 +397,21 @@ def deliver_many(jobs: list[queue.SendJob]) -> list[Outcome]:
     overlap a group's sends), the dead tokens, `last_push`, the dead letters and the Delivery
     rows in one statement each.
 
+    `registrations`: the jobs' registrations by id as the caller just read them (every
+    column, and the app's `updated`), instead of reading them here.
+
     Raises DatabaseUnavailable before anything was sent, RecordPending after.
     """
     if not jobs:
         return []
     outcomes: list[Outcome] = [Outcome.FAILED] * len(jobs)
-    registrations = with_database(
-        lambda: _load_registrations({job.registration_id for job in jobs})
-    )
+    known = registrations
+    if known is None:
+        registrations = with_database(
+            lambda: _load_registrations({job.registration_id for job in jobs})
+        )
+    else:
+        registrations = with_database(lambda: _read_already(known))
     now = timezone.now()
     max_age = conf.current().send_max_age_seconds
     items: list[tuple[int, Registration, queue.SendJob]] = []

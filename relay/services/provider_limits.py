@@ -126,6 +126,16 @@ def breaker_open(target: Target) -> bool:
         return breaker is not None and breaker.open_until > time.monotonic()
 
 
+def app_breaker_open(app: int) -> bool:
+    """Whether any of `app`'s providers has its breaker open in this process (the gateway
+    then leaves its sends to the workers, relay/services/direct_sends.py)."""
+    now = time.monotonic()
+    with _lock:
+        return any(
+            target.app == app and breaker.open_until > now for target, breaker in _breakers.items()
+        )
+
+
 def send_group(provider: PushProvider, wakeups: list[Wakeup], target: Target) -> list[SendResult]:
     """Send one app's wake-ups through its provider within the app's limits; one result per
     wake-up, in order. Never waits for another app's sends."""

@@ -27,11 +27,13 @@ the publishes that arrive within a few milliseconds).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hmac
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -85,9 +87,9 @@ def domain_allowed(*, allowed_domains: str, domain: str) -> bool:
     return False
 
 
-_REGISTRATION_COLUMNS = frozenset(
-    {"id", "component_id", "node", "secret", "account_domain", "dead_since", "service", "app_id"}
-)
+# Every column: a send this gateway makes itself (relay/services/direct_sends.py) goes out
+# with the registration read here, without a read of its own.
+_REGISTRATION_COLUMNS = frozenset(field.attname for field in Registration._meta.concrete_fields)
 _TENANT_COLUMNS = frozenset(
     {
         "id",
@@ -118,6 +120,7 @@ def _lookup() -> _Lookup:
     registration_columns = _in_model_order(Registration, _REGISTRATION_COLUMNS)
     tenant_columns = _in_model_order(Tenant, _TENANT_COLUMNS)
     columns = [f"r.{c}" for c in registration_columns] + [f"t.{c}" for c in tenant_columns]
+    columns.append("a.updated")
     quote = connection.ops.quote_name
     sql = (
         f"SELECT {', '.join(columns)} FROM {quote(Registration._meta.db_table)} r"
@@ -161,7 +164,7 @@ def _find_registrations(publishes: list[Publish]) -> dict[tuple[int, str], Regis
     width = len(lookup.registration_columns)
     for row in rows:
         values = dict(zip(lookup.registration_columns, row[:width], strict=True))
-        tenant_values = dict(zip(lookup.tenant_columns, row[width:], strict=True))
+        tenant_values = dict(zip(lookup.tenant_columns, row[width:-1], strict=True))
         tenant = tenants.get(tenant_values["id"])
         if tenant is None:
             tenant = Tenant.from_db(
@@ -172,7 +175,11 @@ def _find_registrations(publishes: list[Publish]) -> dict[tuple[int, str], Regis
             tenants[tenant.pk] = tenant
         app = apps.get(values["app_id"])
         if app is None:
-            app = App.from_db(connection.alias, ("id", "tenant_id"), (values["app_id"], tenant.pk))
+            app = App.from_db(
+                connection.alias,
+                ("id", "tenant_id", "updated"),
+                (values["app_id"], tenant.pk, _orm_value("updated", row[-1])),
+            )
             app.tenant = tenant
             apps[app.pk] = app
         registration = Registration.from_db(
@@ -201,6 +208,29 @@ class _Pending:
     received: datetime
 
 
+@dataclass(slots=True)
+class DirectSend:
+    """One app's sends that the caller sends itself (relay/services/direct_sends.py) before
+    it answers their publishes: `indices` are the publishes its outcome answers, the ones
+    folded into its sends included."""
+
+    app: int
+    jobs: list[queue.SendJob]
+    indices: list[int]
+    registrations: dict[int, Registration]  # the jobs', as the lookup read them
+    folded: dict[int, str] = dataclasses.field(default_factory=dict)  # index -> push id it joined
+
+
+@dataclass(slots=True)
+class Plan:
+    """A batch's verdicts, None for the publishes a `DirectSend` answers."""
+
+    publishes: list[Publish]
+    found: dict[tuple[int, str], Registration]
+    verdicts: list[Verdict | None]
+    direct: list[DirectSend]
+
+
 def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
     """`accept_publish` for a batch, one verdict per publish in order: one database query,
     one throttling round trip, and ONE broker message per app for the sends that go out now.
@@ -210,6 +240,14 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
     every publish that needed it is answered UNAVAILABLE (`wait`) and nothing of the batch is
     queued.
     """
+    plan = plan_publishes(publishes)
+    return [verdict or Verdict.UNAVAILABLE for verdict in plan.verdicts]
+
+
+def plan_publishes(publishes: list[Publish], *, claim: Callable[[int], bool] | None = None) -> Plan:
+    """`accept_publishes`, but an app's sends that go out now are left to the caller when
+    `claim(app id)` says it sends them itself: they come back as `DirectSend`s, their
+    publishes unanswered until `answer_direct`."""
     now = timezone.now()
     verdicts: list[Verdict | None] = [None] * len(publishes)
     try:
@@ -217,7 +255,7 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
     except DatabaseError:
         log.warning("publish.database_unavailable", extra={"publishes": len(publishes)})
         metrics.count_publishes(("", Verdict.UNAVAILABLE.value) for _ in publishes)
-        return [Verdict.UNAVAILABLE] * len(publishes)
+        return Plan(publishes, {}, [Verdict.UNAVAILABLE] * len(publishes), [])
     pending: list[_Pending] = []
     bound: dict[int, str] = {}  # account domains bound by this batch
     for index, publish in enumerate(publishes):
@@ -275,7 +313,17 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
     per_app: dict[int, list[tuple[_Pending, queue.SendJob]]] = {}
     for item, job in now_jobs:
         per_app.setdefault(item.registration.app_id, []).append((item, job))
-    for app_jobs in per_app.values():
+    direct: dict[str, DirectSend] = {}  # by push id
+    for app_id, app_jobs in per_app.items():
+        if claim is not None and claim(app_id):
+            send = DirectSend(
+                app_id,
+                [job for _, job in app_jobs],
+                [item.index for item, _ in app_jobs],
+                {item.registration.pk: item.registration for item, _ in app_jobs},
+            )
+            direct.update((item.push_id, send) for item, _ in app_jobs)
+            continue
         try:
             queue.enqueue_sends([job for _, job in app_jobs])
         except queue.QueueUnavailable:
@@ -295,19 +343,58 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
         if item.push_id in failed_push_ids:
             throttling.abandon(registration=item.registration, push_id=item.push_id)
     for item in [item for item, _ in now_jobs] + [item for item, _, _ in later_jobs]:
+        if item.push_id in direct:
+            continue
         failed = item.push_id in failed_push_ids
         verdicts[item.index] = Verdict.UNAVAILABLE if failed else Verdict.ACCEPTED
     for item, into in folded:
-        # Folded into a send this batch failed to queue: that send does not exist.
-        if into in failed_push_ids:
+        if into in direct:  # answered with the send it folded into
+            direct[into].indices.append(item.index)
+            direct[into].folded[item.index] = into
+        elif into in failed_push_ids:
+            # Folded into a send this batch failed to queue: that send does not exist.
             verdicts[item.index] = Verdict.UNAVAILABLE
         else:
             log.info("publish.coalesced", extra={"push_id": into})
             verdicts[item.index] = Verdict.ACCEPTED
-    answers = [verdict or Verdict.UNAVAILABLE for verdict in verdicts]
-    tallies.record_verdicts(publishes, found, answers, folded={item.index for item, _ in folded})
-    _count(publishes, found, answers)
-    return answers
+    sends = list({id(send): send for send in direct.values()}.values())
+    answered = {index for send in sends for index in send.indices}
+    decided = [index for index in range(len(publishes)) if index not in answered]
+    for index in decided:
+        verdicts[index] = verdicts[index] or Verdict.UNAVAILABLE
+    folded_indices = {item.index for item, _ in folded}
+    _tally(publishes, found, decided, verdicts, folded_indices)
+    return Plan(publishes, found, verdicts, sends)
+
+
+def answer_direct(plan: Plan, send: DirectSend, kept: list[bool]) -> list[Verdict]:
+    """The verdicts of a `DirectSend`'s publishes (in `send.indices` order), given whether each
+    of its jobs was delivered or kept (relay/services/direct_sends.py); a folded publish
+    follows the send it folded into."""
+    kept_by_push = {job.push_id: ok for job, ok in zip(send.jobs, kept, strict=True)}
+    # The jobs' own publishes come first in `indices`, then the folded ones.
+    push_of = {index: job.push_id for index, job in zip(send.indices, send.jobs, strict=False)}
+    push_of.update(send.folded)
+    for index in send.indices:
+        ok = kept_by_push[push_of[index]]
+        plan.verdicts[index] = Verdict.ACCEPTED if ok else Verdict.UNAVAILABLE
+    _tally(plan.publishes, plan.found, send.indices, plan.verdicts, set(send.folded))
+    return [plan.verdicts[index] or Verdict.UNAVAILABLE for index in send.indices]
+
+
+def _tally(
+    publishes: list[Publish],
+    found: dict[tuple[int, str], Registration],
+    indices: list[int],
+    verdicts: list[Verdict | None],
+    folded: set[int],
+) -> None:
+    """Count the verdicts of these publishes, for the reports and the metrics."""
+    chosen = [publishes[index] for index in indices]
+    answers = [verdicts[index] or Verdict.UNAVAILABLE for index in indices]
+    folded_here = {position for position, index in enumerate(indices) if index in folded}
+    tallies.record_verdicts(chosen, found, answers, folded=folded_here)
+    _count(chosen, found, answers)
 
 
 def _defer(later_jobs: list[tuple[_Pending, queue.SendJob, float]]) -> None:

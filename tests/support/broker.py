@@ -7,6 +7,10 @@ the longest delay down, the way messages move, so none is passed over.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -27,6 +31,30 @@ def through(port: int) -> str:
     parts = urlsplit(str(celery_app.conf.broker_url))
     credentials = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
     return urlunsplit(parts._replace(netloc=f"{credentials}127.0.0.1:{port}"))
+
+
+@contextlib.contextmanager
+def away() -> Iterator[None]:
+    """The broker unreachable for the relay's publishes: its URL on a port nothing listens
+    on. Celery's `broker_url` prefers the environment's CELERY_BROKER_URL over its settings,
+    so that is where it changes."""
+    # The first node's URL alone: a list of nodes would fail over to the others.
+    dead = through(_closed_port()).split(";")[0]
+    saved = os.environ.get("CELERY_BROKER_URL")
+    os.environ["CELERY_BROKER_URL"] = dead
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CELERY_BROKER_URL"]
+        else:
+            os.environ["CELERY_BROKER_URL"] = saved
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # closed again when the block ends
 
 
 def _send_queue() -> Any:
