@@ -75,7 +75,7 @@ def publish_for(registration: Registration, **changes: Any) -> Publish:
     return Publish(**values)
 
 
-def claim_all(app: int) -> bool:
+def claim_all(app: int, jobs: int) -> bool:
     return True
 
 
@@ -120,11 +120,24 @@ def test_a_repeat_publish_in_the_same_batch_is_deferred_and_answered_at_once(
 
 def test_without_a_claim_the_batch_goes_through_the_broker_as_before(component, fcm_app, fcm):
     registration, other = make_registration(component, 4), make_registration(component, 40)
-    plan = plan_publishes([publish_for(registration)], claim=lambda app: False)
+    plan = plan_publishes([publish_for(registration)], claim=lambda app, jobs: False)
     assert (plan.verdicts, plan.direct) == ([Verdict.ACCEPTED], [])
     assert accept_publishes([publish_for(other)]) == [Verdict.ACCEPTED]
     assert [job.task for job in queued_jobs_with_eta()] == [queue.SEND_PUSH] * 2
     assert fcm.requests_for(registration.token) == []
+
+
+def test_the_claim_is_asked_once_per_app_with_its_number_of_sends(component, fcm_app, fcm):
+    registrations = [make_registration(component, n) for n in (5, 6, 7)]
+    asked: list[tuple[int, int]] = []
+
+    def refuse(app: int, jobs: int) -> bool:
+        asked.append((app, jobs))
+        return False
+
+    plan = plan_publishes([publish_for(r) for r in registrations], claim=refuse)
+    assert asked == [(fcm_app.pk, 3)]
+    assert (plan.verdicts, plan.direct) == ([Verdict.ACCEPTED] * 3, [])
 
 
 def test_a_provider_asking_for_a_retry_keeps_the_push_as_a_deferred_send(component, fcm_app, fcm):
@@ -198,6 +211,13 @@ def test_the_budget_closes_while_the_process_is_busier_than_its_share():
     clock.now += direct_sends.WINDOW_SECONDS
     clock.cpu += direct_sends.WINDOW_SECONDS * 0.2
     assert sends.claim(1) is True
+
+
+def test_a_batch_of_many_sends_of_one_app_goes_to_the_workers():
+    sends = budget(Clock(), in_flight=8)
+    assert sends.claim(1, direct_sends.JOBS_MAX + 1) is False
+    assert sends.held() == 0
+    assert sends.claim(1, direct_sends.JOBS_MAX) is True
 
 
 def test_a_share_of_zero_sends_nothing_directly():

@@ -312,14 +312,14 @@ class PublishBatcher:
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
-    def _claim(self, claimed: list[int]) -> Callable[[int], bool] | None:
+    def _claim(self, claimed: list[int]) -> Callable[[int, int], bool] | None:
         """The planning call's `claim`: which apps' sends this gateway sends itself."""
         if self.direct is None:
             return None
         budget = self.direct.budget
 
-        def claim(app: int) -> bool:
-            if budget.claim(app):
+        def claim(app: int, jobs: int) -> bool:
+            if budget.claim(app, jobs):
                 claimed.append(app)
                 return True
             return False

@@ -244,10 +244,12 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
     return [verdict or Verdict.UNAVAILABLE for verdict in plan.verdicts]
 
 
-def plan_publishes(publishes: list[Publish], *, claim: Callable[[int], bool] | None = None) -> Plan:
+def plan_publishes(
+    publishes: list[Publish], *, claim: Callable[[int, int], bool] | None = None
+) -> Plan:
     """`accept_publishes`, but an app's sends that go out now are left to the caller when
-    `claim(app id)` says it sends them itself: they come back as `DirectSend`s, their
-    publishes unanswered until `answer_direct`."""
+    `claim(app id, number of sends)` says it sends them itself: they come back as
+    `DirectSend`s, their publishes unanswered until `answer_direct`."""
     now = timezone.now()
     verdicts: list[Verdict | None] = [None] * len(publishes)
     try:
@@ -315,7 +317,7 @@ def plan_publishes(publishes: list[Publish], *, claim: Callable[[int], bool] | N
         per_app.setdefault(item.registration.app_id, []).append((item, job))
     direct: dict[str, DirectSend] = {}  # by push id
     for app_id, app_jobs in per_app.items():
-        if claim is not None and claim(app_id):
+        if claim is not None and claim(app_id, len(app_jobs)):
             send = DirectSend(
                 app_id,
                 [job for _, job in app_jobs],
