@@ -29,6 +29,25 @@ def prepare_database(admin_url: str, name: str) -> str:
     return admin_url.rsplit("/", 1)[0] + f"/{name}"
 
 
+def django_on_fresh_database(name: str, *, log_level: str = "WARNING", **env: str) -> str:
+    """Re-create database `name` beside DATABASE_URL's, point this process (and the ones it
+    starts) at it and at CELERY_BROKER_URL, set Django up and migrate; returns its URL."""
+    admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
+    broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+    database_url = prepare_database(admin_url, name)
+    os.environ.update({"DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url, **env})
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
+    os.environ.setdefault("LOG_LEVEL", log_level)
+
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    return database_url
+
+
 def get_json(url: str, timeout: float = 30) -> Any:
     return json.loads(urllib.request.urlopen(url, timeout=timeout).read())
 

@@ -38,13 +38,14 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import percentiles, prepare_database, write_results  # noqa: E402
+from bench.common import django_on_fresh_database, percentiles, write_results  # noqa: E402
 from bench.component_server import PUBLISH  # noqa: E402
-from bench.relay import service_cpu  # noqa: E402
+from bench.relay import listening_pid, server_pids, service_cpu  # noqa: E402
 
 BENCH_DB = os.environ.get("RELAY_BENCH_HOSTILE_DB", "relay_bench_hostile")
 STREAM_NS = "http://etherx.jabber.org/streams"
@@ -271,7 +272,11 @@ async def flood_phase(
         flood_done.set()
 
     cpu_pids = {"gateway": gateway_pid}
-    cpu_before = service_cpu(cpu_pids, ("postgres", "redis-server"))
+    servers = {
+        "postgres": server_pids(os.environ["DATABASE_URL"], "")["postgres"],
+        "redis-server": listening_pid(urlsplit(os.environ["RELAY_STATE_URL"]).port or 6379),
+    }
+    cpu_before = service_cpu(cpu_pids, servers)
     busy_before = machine_busy()
     started = time.perf_counter()
     good = asyncio.create_task(good_publishes())
@@ -289,7 +294,7 @@ async def flood_phase(
     await good
     await asyncio.sleep(2.0)  # the last valid publishes' answers
     finished = time.perf_counter()
-    cpu_after = service_cpu(cpu_pids, ("postgres", "redis-server"))
+    cpu_after = service_cpu(cpu_pids, servers)
     busy_after = machine_busy()
 
     def latencies(ids: list[str]) -> list[float]:
@@ -381,19 +386,9 @@ def main() -> None:
     parser.add_argument("--label", default="", help="stored in the JSON (e.g. before/after)")
     args = parser.parse_args()
 
-    admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-    broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
-    database_url = prepare_database(admin_url, BENCH_DB)
-    os.environ.update({"DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url})
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
-    os.environ.setdefault("LOG_LEVEL", "INFO")  # the production default: logging is a cost too
-
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
+    # The production default log level: logging is a cost too. The gateway queues its sends
+    # (no worker runs): what is measured is its answer, not a send.
+    django_on_fresh_database(BENCH_DB, log_level="INFO", RELAY_DIRECT_SEND_SHARE="0")
     from relay.identifiers import new_node, new_secret
     from relay.models import App, Component, Registration, Service, Tenant
     from tests.support import broker

@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import prepare_database, write_results  # noqa: E402
+from bench.common import django_on_fresh_database, write_results  # noqa: E402
 from bench.component_server import ComponentServer  # noqa: E402
 from bench.relay import cpu_seconds, machine_busy, server_pids  # noqa: E402
 from tests.support.processes import child_pids  # noqa: E402
@@ -95,19 +95,8 @@ def main() -> None:
     if steps != sorted(steps) or not steps or steps[0] < 0:
         parser.error("--links: ascending counts from 0 up")
 
-    admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
-    broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
-    database_url = prepare_database(admin_url, BENCH_DB)
-    os.environ.update({"DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url})
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
-
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
+    database_url = django_on_fresh_database(BENCH_DB)
+    broker_url = os.environ["CELERY_BROKER_URL"]
     from relay.identifiers import new_node, new_secret
     from relay.models import App, Component, ComponentLink, LinkState, Registration, Service, Tenant
     from tests.support import broker

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import (  # noqa: E402
     Profiler,
+    django_on_fresh_database,
     percentiles,
-    prepare_database,
     start_workers,
     wait_http,
     write_results,
@@ -181,19 +181,8 @@ def main() -> None:
     closed_pushes = 0 if args.no_closed_loop else args.pushes
     phase_sizes = [int(rate * args.phase_seconds) for rate in rates]
 
-    admin_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
-    broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
-    database_url = prepare_database(admin_url, BENCH_DB)
-    os.environ.update({"DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url})
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "pushsite.settings")
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
-
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
+    database_url = django_on_fresh_database(BENCH_DB)
+    broker_url = os.environ["CELERY_BROKER_URL"]
     from relay.identifiers import new_node, new_secret
     from relay.models import App, Component, Registration, Service, Tenant
     from relay.services.credentials import records

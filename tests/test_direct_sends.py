@@ -7,8 +7,6 @@ gateway process end to end with a real Prosody in test_e2e_relay.py."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from django.conf import settings
 from django.test import override_settings
@@ -17,11 +15,12 @@ from relay.models import DeadLetter, Delivery, Registration, Service
 from relay.providers.base import Outcome, SendResult, Wakeup
 from relay.services import direct_sends, provider_limits, queue, throttling
 from relay.services import provider_registry as registry
-from relay.services.publishing import Publish, Verdict, accept_publishes, plan_publishes
+from relay.services.publishing import Verdict, accept_publishes, plan_publishes
 from tests.fakes.fcm import FakeFcm
 from tests.support.broker import queued_jobs_with_eta
 from tests.support.deferred import deferred_jobs
 from tests.support.provider_fakes import configure_fcm
+from tests.test_batching import publish_for
 
 pytestmark = [pytest.mark.defaults, pytest.mark.django_db]
 
@@ -60,19 +59,6 @@ def make_registration(component, n: int) -> Registration:
         node=f"direct-node-{n}",
         secret="secret",
     )
-
-
-def publish_for(registration: Registration, **changes: Any) -> Publish:
-    values: dict[str, Any] = {
-        "component_id": registration.component_id,
-        "publishing_domain": "localhost",
-        "node": registration.node,
-        "secret": "secret",
-        "important": True,
-        "message_count": 1,
-    }
-    values.update(changes)
-    return Publish(**values)
 
 
 def claim_all(app: int, jobs: int) -> bool:
