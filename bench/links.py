@@ -95,7 +95,8 @@ def main() -> None:
     if steps != sorted(steps) or not steps or steps[0] < 0:
         parser.error("--links: ascending counts from 0 up")
 
-    database_url = django_on_fresh_database(BENCH_DB)
+    # No worker runs: the gateway queues its sends, as it did when these figures were taken.
+    database_url = django_on_fresh_database(BENCH_DB, RELAY_DIRECT_SEND_SHARE="0")
     broker_url = os.environ["CELERY_BROKER_URL"]
     from relay.identifiers import new_node, new_secret
     from relay.models import App, Component, ComponentLink, LinkState, Registration, Service, Tenant

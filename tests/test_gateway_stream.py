@@ -10,7 +10,9 @@ process: tests/test_gateway_stanzas.py.)
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
+import ssl
 import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -261,3 +263,22 @@ def test_a_handler_that_raises_is_answered_wait_and_the_link_stays(monkeypatch):
         theirs.close()
 
     asyncio.run(main())
+
+
+def test_streams_share_one_tls_context_and_keep_none_of_their_own():
+    """slixmpp builds a TLS context with the system's CA certificates for every stream (0.83
+    MB each); a component link never uses TLS, so every stream shares one empty context and
+    the one slixmpp built is freed. Fails if slixmpp keeps its context elsewhere than
+    `ssl_context`, where `get_ssl_context` reads it."""
+
+    def live_contexts() -> int:
+        gc.collect()
+        return sum(isinstance(thing, ssl.SSLContext) for thing in gc.get_objects())
+
+    first = Recorder()
+    before = live_contexts()
+    streams = [Recorder() for _ in range(5)]
+    assert live_contexts() == before
+    shared = first.get_ssl_context()
+    assert all(stream.get_ssl_context() is shared for stream in streams)
+    assert shared.cert_store_stats()["x509_ca"] == 0  # no CA certificates loaded

@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -79,11 +80,18 @@ def stream_error(condition: str, text: str = "") -> bytes:
     return f"<stream:error>{body}</stream:error></stream:stream>".encode()
 
 
+# slixmpp's XMLStream builds a TLS context with the system's CA certificates for every
+# stream (0.83 MB each here, bench/links.py); a component link is plain TCP and never uses
+# it. Every link shares this one instead, and its own is freed as the stream is made.
+_UNUSED_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
 class GuardedStream(ComponentXMPP):
     """A slixmpp component whose incoming side is bounded and whose get/set iqs are ours."""
 
     def __init__(self, *args: object, limits: StreamLimits, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
+        self.ssl_context = _UNUSED_TLS
         self.limits = limits
         self.closed_with = ""  # the stream error condition we closed with, if we did
         self._unread = 0
