@@ -131,18 +131,11 @@ class Link:
             await asyncio.sleep(wait)
             delay = min(maximum, delay * 2)
 
-    async def _connect_once(self) -> tuple[str, bool]:
-        """Connect, serve until the link ends; say why it ended and whether it was up."""
-        loop = asyncio.get_running_loop()
-        ended: asyncio.Future[str] = loop.create_future()
-        stream_error: list[str] = []
-        was_up = False
-        plugged = self.gateway.features
+    def _build(
+        self, plugged: list[Any], iq_set_handlers: dict[str, Callable[..., Any]]
+    ) -> PushComponent:
         component_id = self.component.pk
-        iq_set_handlers = {
-            tag: handler for each in plugged for tag, handler in each.iq_set_handlers().items()
-        }
-        xmpp = PushComponent(
+        return PushComponent(
             self.component,
             run_blocking=self.gateway.run_blocking,
             max_field_length=conf.current().max_field_length,
@@ -159,6 +152,21 @@ class Link:
             on_iq_answer=lambda xml: any(f.on_iq_answer(component_id, xml) for f in plugged),
             on_presence=lambda xml: any(f.on_presence(component_id, xml) for f in plugged),
         )
+
+    async def _connect_once(self) -> tuple[str, bool]:
+        """Connect, serve until the link ends; say why it ended and whether it was up."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[str] = loop.create_future()
+        stream_error: list[str] = []
+        was_up = False
+        plugged = self.gateway.features
+        component_id = self.component.pk
+        iq_set_handlers = {
+            tag: handler for each in plugged for tag, handler in each.iq_set_handlers().items()
+        }
+        async with self.gateway.link_builds:
+            xmpp = self._build(plugged, iq_set_handlers)
+            await asyncio.sleep(0)  # the next link waits for the loop's next turn
         self.xmpp = xmpp
 
         def finish(reason: str) -> None:
@@ -411,6 +419,10 @@ class Gateway:
             direct=DirectPath.configured(),
         )
         self.links: dict[int, Link] = {}
+        # Building a link's stream holds the event loop (26-45 ms here, most of it slixmpp's
+        # TLS context): the links a lease round takes are built one per turn of the loop, so
+        # the lease rounds and the links already up are served in between.
+        self.link_builds = asyncio.Lock()
         self.synced = False
         self.stopped = asyncio.Event()
         self.features = features.load(self.run_blocking)
