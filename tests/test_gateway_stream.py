@@ -275,10 +275,13 @@ def test_streams_share_one_tls_context_and_keep_none_of_their_own():
         gc.collect()
         return sum(isinstance(thing, ssl.SSLContext) for thing in gc.get_objects())
 
-    first = Recorder()
-    before = live_contexts()
-    streams = [Recorder() for _ in range(5)]
-    assert live_contexts() == before
-    shared = first.get_ssl_context()
-    assert all(stream.get_ssl_context() is shared for stream in streams)
-    assert shared.cert_store_stats()["x509_ca"] == 0  # no CA certificates loaded
+    async def main() -> None:  # the streams take the running loop, closed by asyncio.run
+        first = Recorder()
+        before = live_contexts()
+        streams = [Recorder() for _ in range(5)]
+        assert live_contexts() == before
+        shared = first.get_ssl_context()
+        assert all(stream.get_ssl_context() is shared for stream in streams)
+        assert shared.cert_store_stats()["x509_ca"] == 0  # no CA certificates loaded
+
+    asyncio.run(main())
