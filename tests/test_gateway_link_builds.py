@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from django.conf import settings
+from django.db import connections
+from django.test import override_settings
 
 from relay.models import Component
 from tests.support.ports import free_port
@@ -69,9 +72,14 @@ def test_links_started_together_are_built_one_per_turn_of_the_loop(component, mo
             await counter
             for link in links:
                 await link.stop(grace=0)
+            # The one database thread's connection, closed as the real process's end would.
+            await asyncio.get_running_loop().run_in_executor(
+                gateway.executor, connections.close_all
+            )
             gateway.executor.shutdown(wait=True)
             gateway.lease_executor.shutdown(wait=True)
 
-    asyncio.run(main())
+    with override_settings(RELAY={**settings.RELAY, "GATEWAY_THREADS": 1}):
+        asyncio.run(main())
     # The loop turned between any two builds: whatever else was ready ran in between.
     assert len(set(built_at[:LINKS])) == LINKS, built_at
