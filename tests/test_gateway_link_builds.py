@@ -1,9 +1,9 @@
 """The links a gateway takes at once are built one per turn of its event loop.
 
-Building a link's stream holds the loop (26-45 ms each here, most of it slixmpp's TLS
-context). Built all in one turn, 500 links held it for 20 s and more: the lease rounds could
-not run, the gateway dropped every link for its lost leases and started them all again, and
-none stayed up (bench/links.py --links 0,500; docs/benchmarks.md). The real gateway's links
+Building a link's stream holds the loop (most of it slixmpp's TLS context). Built all in one
+turn, hundreds of links held it past the leases' deadline: the lease rounds could not run,
+the gateway dropped every link for its lost leases and started them all again, and none
+stayed up (bench/links.py --links 0,500; docs/benchmarks.md). The real gateway's links
 run here in this process against a port nobody listens on; a task that counts the loop's
 turns is read at each build.
 """

@@ -419,9 +419,9 @@ class Gateway:
             direct=DirectPath.configured(),
         )
         self.links: dict[int, Link] = {}
-        # Building a link's stream holds the event loop (26-45 ms here, most of it slixmpp's
-        # TLS context): the links a lease round takes are built one per turn of the loop, so
-        # the lease rounds and the links already up are served in between.
+        # Building a link's stream holds the event loop (tens of milliseconds, most of it
+        # slixmpp's TLS context): the links a lease round takes are built one per turn of the
+        # loop, so the lease rounds and the links already up are served in between.
         self.link_builds = asyncio.Lock()
         self.synced = False
         self.stopped = asyncio.Event()
@@ -606,7 +606,10 @@ class Gateway:
             *(plugged or []),  # the features' last writes need the executor closed below
             return_exceptions=True,
         )
-        # The last publishes were answered: their tallies are written before the threads go.
+        # The sends in flight end (their publishes answered and tallied), then the last
+        # tallies are written before the threads go.
+        if self.publishes.direct is not None:
+            self.publishes.direct.close()
         with contextlib.suppress(Unavailable):
             await self.run_blocking(tallies.flush)
         # Links closed: their leases go at once, the other gateways take them next round.
@@ -614,8 +617,6 @@ class Gateway:
             released = await self.run_lease_call(link_leases.leave, gateway=self.name)
         except Unavailable:
             released = None  # they expire within GATEWAY_LEASE_SECONDS
-        if self.publishes.direct is not None:
-            self.publishes.direct.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.lease_executor.shutdown(wait=True, cancel_futures=True)
         log.info("gateway.stopped", extra={"leases_released": released})

@@ -81,8 +81,9 @@ def stream_error(condition: str, text: str = "") -> bytes:
 
 
 # slixmpp's XMLStream builds a TLS context with the system's CA certificates for every
-# stream (0.83 MB each here, bench/links.py); a component link is plain TCP and never uses
-# it. Every link shares this one instead, and its own is freed as the stream is made.
+# stream, most of a link's memory (docs/benchmarks.md, Capacity); a component link is plain
+# TCP and never uses it. Every link shares this one instead, and its own is freed as the
+# stream is made.
 _UNUSED_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 

@@ -406,12 +406,11 @@ def deliver_many(
         return []
     outcomes: list[Outcome] = [Outcome.FAILED] * len(jobs)
     known = registrations
-    if known is None:
-        registrations = with_database(
-            lambda: _load_registrations({job.registration_id for job in jobs})
-        )
-    else:
-        registrations = with_database(lambda: _read_already(known))
+    registrations = with_database(
+        lambda: _load_registrations({job.registration_id for job in jobs})
+        if known is None
+        else _read_already(known)
+    )
     now = timezone.now()
     max_age = conf.current().send_max_age_seconds
     items: list[tuple[int, Registration, queue.SendJob]] = []

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -39,8 +38,7 @@ WINDOW_SECONDS = 0.5
 # The most sends of one app one batch may hold to go out here. An everyday batch holds one;
 # a bigger one means pushes are arriving fast, and the gateway would send them one after the
 # other in one thread and answer them all after the last, where the workers' threads send
-# them side by side (bench/relay.py at 1,000/s: p99 publish -> result 28-44 ms against 74-94
-# ms with no limit, for 0.1 ms more CPU per push; docs/benchmarks.md).
+# them side by side (what it costs and saves: docs/benchmarks.md, Relay end to end).
 JOBS_MAX = 4
 
 
@@ -62,8 +60,7 @@ class Budget:
         self._clock = clock
         self._cpu = cpu
         self._lock = threading.Lock()
-        self._held: Counter[int] = Counter()
-        self._since: dict[int, list[float]] = {}  # app -> when its batches in flight started
+        self._since: dict[int, list[float]] = {}  # app -> when each batch in flight started
         self._window_start = (clock(), cpu())
         self._busy = 0.0
 
@@ -81,31 +78,31 @@ class Budget:
             return False
         now = self._clock()
         with self._lock:
-            if sum(self._held.values()) >= self.in_flight or self._held[app] >= self.per_app:
+            started = self._since.get(app, [])
+            if self._held() >= self.in_flight or len(started) >= self.per_app:
                 return False
-            started = self._since.get(app)
             if started and now - min(started) >= limits.SLOW_SECONDS:
                 return False  # its provider is slow here: the workers take its sends
             if limits.app_breaker_open(app) or self._over_share(now):
                 return False
-            self._held[app] += 1
             self._since.setdefault(app, []).append(now)
             return True
 
     def release(self, app: int) -> None:
         with self._lock:
-            self._held[app] -= 1
             started = self._since.get(app)
             if started:
                 started.remove(min(started))
-            if self._held[app] <= 0:
-                del self._held[app]
+            if not started:
                 self._since.pop(app, None)
 
+    def _held(self) -> int:
+        return sum(len(started) for started in self._since.values())
+
     def held(self) -> int:
-        """Batches being sent now (tests, metrics)."""
+        """Batches being sent now."""
         with self._lock:
-            return sum(self._held.values())
+            return self._held()
 
 
 def send_planned(plan: publishing.Plan, send: publishing.DirectSend) -> list[publishing.Verdict]:
