@@ -61,8 +61,8 @@ def make_registration(component, n: int) -> Registration:
     )
 
 
-def claim_all(app: int, jobs: int) -> bool:
-    return True
+def claim_all(app: int, jobs: int) -> int:
+    return jobs
 
 
 def test_an_everyday_push_is_sent_before_its_answer_and_never_queued(component, fcm_app, fcm):
@@ -106,7 +106,7 @@ def test_a_repeat_publish_in_the_same_batch_is_deferred_and_answered_at_once(
 
 def test_without_a_claim_the_batch_goes_through_the_broker_as_before(component, fcm_app, fcm):
     registration, other = make_registration(component, 4), make_registration(component, 40)
-    plan = plan_publishes([publish_for(registration)], claim=lambda app, jobs: False)
+    plan = plan_publishes([publish_for(registration)], claim=lambda app, jobs: 0)
     assert (plan.verdicts, plan.direct) == ([Verdict.ACCEPTED], [])
     assert accept_publishes([publish_for(other)]) == [Verdict.ACCEPTED]
     assert [job.task for job in queued_jobs_with_eta()] == [queue.SEND_PUSH] * 2
@@ -117,13 +117,35 @@ def test_the_claim_is_asked_once_per_app_with_its_number_of_sends(component, fcm
     registrations = [make_registration(component, n) for n in (5, 6, 7)]
     asked: list[tuple[int, int]] = []
 
-    def refuse(app: int, jobs: int) -> bool:
+    def refuse(app: int, jobs: int) -> int:
         asked.append((app, jobs))
-        return False
+        return 0
 
     plan = plan_publishes([publish_for(r) for r in registrations], claim=refuse)
     assert asked == [(fcm_app.pk, 3)]
     assert (plan.verdicts, plan.direct) == ([Verdict.ACCEPTED] * 3, [])
+
+
+def test_a_busy_batch_is_sent_here_in_part_and_the_rest_goes_to_the_workers(
+    component, fcm_app, fcm
+):
+    """Pushes arriving fast: the gateway sends the first few of the app's batch beside the
+    workers, and answers those after their sends; the rest are answered once in the broker."""
+    registrations = [
+        make_registration(component, 100 + n) for n in range(direct_sends.JOBS_MAX + 2)
+    ]
+    sends = direct_sends.Budget(share=1.0, in_flight=8)
+    plan = plan_publishes([publish_for(r) for r in registrations], claim=sends.claim)
+    mine = direct_sends.JOBS_MAX
+    assert plan.verdicts == [None] * mine + [Verdict.ACCEPTED] * 2
+    [send] = plan.direct
+    assert send.indices == list(range(mine))
+    messages = [m.job if isinstance(m.job, list) else [m.job] for m in queued_jobs_with_eta()]
+    queued = {job["push_id"] for jobs in messages for job in jobs}
+    assert queued and queued.isdisjoint({job.push_id for job in send.jobs})
+    assert len(queued) == 2
+    assert direct_sends.send_planned(plan, send) == [Verdict.ACCEPTED] * mine
+    assert [len(fcm.requests_for(r.token)) for r in registrations] == [1] * mine + [0, 0]
 
 
 def test_a_provider_asking_for_a_retry_keeps_the_push_as_a_deferred_send(component, fcm_app, fcm):
@@ -170,22 +192,22 @@ def budget(clock: Clock, *, share: float = 0.5, in_flight: int = 4) -> direct_se
 def test_the_budget_caps_batches_in_flight_and_each_apps_share():
     clock = Clock()
     sends = budget(clock, in_flight=4)
-    assert [sends.claim(1), sends.claim(1), sends.claim(1)] == [True, True, False]  # half each
-    assert [sends.claim(2), sends.claim(2), sends.claim(3)] == [True, True, False]  # all 4 held
+    assert [sends.claim(1), sends.claim(1), sends.claim(1)] == [1, 1, 0]  # half each
+    assert [sends.claim(2), sends.claim(2), sends.claim(3)] == [1, 1, 0]  # all 4 held
     sends.release(1)
-    assert sends.claim(3) is True
+    assert sends.claim(3) == 1
     assert sends.held() == 4
 
 
 def test_the_budget_leaves_a_slow_apps_sends_to_the_workers():
     clock = Clock()
     sends = budget(clock, in_flight=8)
-    assert sends.claim(1)
+    assert sends.claim(1) == 1
     clock.now += provider_limits.SLOW_SECONDS
-    assert sends.claim(1) is False  # its oldest send has taken too long
-    assert sends.claim(2) is True
+    assert sends.claim(1) == 0  # its oldest send has taken too long
+    assert sends.claim(2) == 1
     sends.release(1)
-    assert sends.claim(1) is True
+    assert sends.claim(1) == 1
 
 
 def test_the_budget_closes_while_the_process_is_busier_than_its_share():
@@ -193,22 +215,22 @@ def test_the_budget_closes_while_the_process_is_busier_than_its_share():
     sends = budget(clock, share=0.5)
     clock.now += direct_sends.WINDOW_SECONDS
     clock.cpu += direct_sends.WINDOW_SECONDS * 0.6  # 60 % of a core over the window
-    assert sends.claim(1) is False
+    assert sends.claim(1) == 0
     clock.now += direct_sends.WINDOW_SECONDS
     clock.cpu += direct_sends.WINDOW_SECONDS * 0.2
-    assert sends.claim(1) is True
+    assert sends.claim(1) == 1
 
 
-def test_a_batch_of_many_sends_of_one_app_goes_to_the_workers():
+def test_of_a_batch_of_many_sends_of_one_app_the_gateway_takes_a_few():
     sends = budget(Clock(), in_flight=8)
-    assert sends.claim(1, direct_sends.JOBS_MAX + 1) is False
-    assert sends.held() == 0
-    assert sends.claim(1, direct_sends.JOBS_MAX) is True
+    assert sends.claim(1, direct_sends.JOBS_MAX + 3) == direct_sends.JOBS_MAX
+    assert sends.claim(2, 2) == 2
+    assert sends.held() == 2  # batches in flight, whatever their size
 
 
 def test_a_share_of_zero_sends_nothing_directly():
-    assert budget(Clock(), share=0.0).claim(1) is False
-    assert budget(Clock(), in_flight=0).claim(1) is False
+    assert budget(Clock(), share=0.0).claim(1) == 0
+    assert budget(Clock(), in_flight=0).claim(1) == 0
 
 
 class StallingProvider:
@@ -230,7 +252,7 @@ def test_an_open_breaker_sends_the_apps_pushes_through_the_workers():
                 StallingProvider(), [wakeup], provider_limits.Target(7, Service.FCM)
             )
             assert provider_limits.app_breaker_open(7)
-            assert budget(Clock()).claim(7) is False
-            assert budget(Clock()).claim(8) is True
+            assert budget(Clock()).claim(7) == 0
+            assert budget(Clock()).claim(8) == 1
     finally:
         provider_limits.reset()

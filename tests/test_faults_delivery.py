@@ -186,7 +186,7 @@ def _planned(*registrations: Registration) -> tuple[Any, Any]:
             )
             for registration in registrations
         ],
-        claim=lambda app, jobs: True,
+        claim=lambda app, jobs: jobs,
     )
     [send] = plan.direct
     return plan, send

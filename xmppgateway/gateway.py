@@ -320,17 +320,18 @@ class PublishBatcher:
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
-    def _claim(self, claimed: list[int]) -> Callable[[int, int], bool] | None:
-        """The planning call's `claim`: which apps' sends this gateway sends itself."""
+    def _claim(self, claimed: list[int]) -> Callable[[int, int], int] | None:
+        """The planning call's `claim`: how many of each app's sends this gateway sends
+        itself."""
         if self.direct is None:
             return None
         budget = self.direct.budget
 
-        def claim(app: int, jobs: int) -> bool:
-            if budget.claim(app, jobs):
+        def claim(app: int, jobs: int) -> int:
+            taken = budget.claim(app, jobs)
+            if taken:
                 claimed.append(app)
-                return True
-            return False
+            return taken
 
         return claim
 

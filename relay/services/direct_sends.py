@@ -35,10 +35,11 @@ log = logging.getLogger(__name__)
 RECORD_OUTCOMES = "relay.record_outcomes"
 # How often the gateway's own CPU is read (seconds): the share is over this window.
 WINDOW_SECONDS = 0.5
-# The most sends of one app one batch may hold to go out here. An everyday batch holds one;
-# a bigger one means pushes are arriving fast, and the gateway would send them one after the
-# other in one thread and answer them all after the last, where the workers' threads send
-# them side by side (what it costs and saves: docs/benchmarks.md, Relay end to end).
+# The most sends of one app's batch that go out here; the rest of a bigger batch goes to the
+# workers. An everyday batch holds one; a bigger one means pushes are arriving fast: the
+# gateway sends its share beside the workers, within its CPU share, and answers those
+# publishes after their sends, which stay few so that none waits long for the others (what
+# it costs and saves: docs/benchmarks.md, Relay end to end).
 JOBS_MAX = 4
 
 
@@ -72,21 +73,22 @@ class Budget:
             self._window_start = (now, cpu_now)
         return self._busy >= self.share
 
-    def claim(self, app: int, jobs: int = 1) -> bool:
-        """Whether this process sends `jobs` sends of `app` itself now."""
-        if not self.in_flight or jobs > JOBS_MAX:
-            return False
+    def claim(self, app: int, jobs: int = 1) -> int:
+        """How many of `jobs` sends of `app` this process sends itself now: at most
+        JOBS_MAX, or none."""
+        if not self.in_flight or jobs < 1:
+            return 0
         now = self._clock()
         with self._lock:
             started = self._since.get(app, [])
             if self._held() >= self.in_flight or len(started) >= self.per_app:
-                return False
+                return 0
             if started and now - min(started) >= limits.SLOW_SECONDS:
-                return False  # its provider is slow here: the workers take its sends
+                return 0  # its provider is slow here: the workers take its sends
             if limits.app_breaker_open(app) or self._over_share(now):
-                return False
+                return 0
             self._since.setdefault(app, []).append(now)
-            return True
+            return min(jobs, JOBS_MAX)
 
     def release(self, app: int) -> None:
         with self._lock:

@@ -245,11 +245,12 @@ def accept_publishes(publishes: list[Publish]) -> list[Verdict]:
 
 
 def plan_publishes(
-    publishes: list[Publish], *, claim: Callable[[int, int], bool] | None = None
+    publishes: list[Publish], *, claim: Callable[[int, int], int] | None = None
 ) -> Plan:
-    """`accept_publishes`, but an app's sends that go out now are left to the caller when
-    `claim(app id, number of sends)` says it sends them itself: they come back as
-    `DirectSend`s, their publishes unanswered until `answer_direct`."""
+    """`accept_publishes`, but of an app's sends that go out now, the first
+    `claim(app id, number of sends)` are left to the caller, which sends them itself: they
+    come back as a `DirectSend`, their publishes unanswered until `answer_direct`; the rest
+    go to the broker."""
     now = timezone.now()
     verdicts: list[Verdict | None] = [None] * len(publishes)
     try:
@@ -317,20 +318,23 @@ def plan_publishes(
         per_app.setdefault(item.registration.app_id, []).append((item, job))
     direct: dict[str, DirectSend] = {}  # by push id
     for app_id, app_jobs in per_app.items():
-        if claim is not None and claim(app_id, len(app_jobs)):
+        taken = claim(app_id, len(app_jobs)) if claim is not None else 0
+        mine, theirs = app_jobs[:taken], app_jobs[taken:]
+        if mine:
             send = DirectSend(
                 app_id,
-                [job for _, job in app_jobs],
-                [item.index for item, _ in app_jobs],
-                {item.registration.pk: item.registration for item, _ in app_jobs},
+                [job for _, job in mine],
+                [item.index for item, _ in mine],
+                {item.registration.pk: item.registration for item, _ in mine},
             )
-            direct.update((item.push_id, send) for item, _ in app_jobs)
+            direct.update((item.push_id, send) for item, _ in mine)
+        if not theirs:
             continue
         try:
-            queue.enqueue_sends([job for _, job in app_jobs])
+            queue.enqueue_sends([job for _, job in theirs])
         except queue.QueueUnavailable:
-            log.warning("publish.queue_unavailable", extra={"publishes": len(app_jobs)})
-            failed_push_ids |= {item.push_id for item, _ in app_jobs}
+            log.warning("publish.queue_unavailable", extra={"publishes": len(theirs)})
+            failed_push_ids |= {item.push_id for item, _ in theirs}
     if failed_push_ids:  # the broker is failing: the batch is answered `wait` as a whole
         failed_push_ids |= {item.push_id for item, _, _ in later_jobs}
     elif later_jobs:
