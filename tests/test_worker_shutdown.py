@@ -15,9 +15,14 @@ from kombu.asynchronous.timer import Timer
 
 from relay import tasks
 
+# The loop's next timer: the poll sleeps until then unless woken. Celery's own is at most 10 s
+# away; this one is further, so that a wake-up slowed by a saturated machine (make test runs
+# its suites side by side) still comes first, while a missing one fails the test.
+POLL_SECONDS = 60.0
+
 
 def test_the_shutdown_signal_wakes_the_event_loop_before_its_poll_times_out(monkeypatch):
-    hub = Hub(Timer(max_interval=10.0))
+    hub = Hub(Timer(max_interval=2 * POLL_SECONDS))
     set_event_loop(hub)
     quiet, other_end = socket.socketpair()
     looping, woken, timer_fired = threading.Event(), threading.Event(), threading.Event()
@@ -28,7 +33,7 @@ def test_the_shutdown_signal_wakes_the_event_loop_before_its_poll_times_out(monk
         hub.remove(quiet)  # nothing left to poll for: the loop comes round at once
 
     monkeypatch.setattr(tasks, "_nothing", on_woken)
-    hub.call_later(9.5, timer_fired.set)  # the poll now sleeps until then
+    hub.call_later(POLL_SECONDS, timer_fired.set)  # the poll now sleeps until then
     hub.call_soon(looping.set)
 
     def on_signal(signum: int, frame: object) -> None:
