@@ -95,6 +95,7 @@ test-durations: $(STAMP)
 # Benchmarks print their figures and write them to bench/results/*.json.
 bench: $(STAMP)
 	$(WITH_SERVICES) $(BIN)/python bench/relay.py
+	$(WITH_SERVICES) $(BIN)/python bench/everyday_path.py
 	$(WITH_SERVICES) $(BIN)/python bench/providers.py
 	$(WITH_SERVICES) $(BIN)/python bench/api.py
 	$(WITH_SERVICES) $(BIN)/python bench/hostile.py
