@@ -48,6 +48,38 @@ def django_on_fresh_database(name: str, *, log_level: str = "WARNING", **env: st
     return database_url
 
 
+def start_fake_fcm(port: int, account: Path, *, record: bool = False) -> subprocess.Popen[bytes]:
+    """The fake FCM as a process on `port` (project `bench`), its service account written to
+    `account`; returns once both are there. `record`: it keeps when each request came."""
+    argv = [sys.executable, "-m", "tests.fakes.fcm", "--port", str(port), "--project", "bench"]
+    argv += ["--write-service-account", str(account), *(["--record"] if record else [])]
+    fake = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/_fake/stats")
+        while not account.exists():
+            time.sleep(0.05)
+    except BaseException:
+        fake.kill()
+        raise
+    return fake
+
+
+def bench_app(fcm_account: Path | None = None, fcm_url: str = "") -> Any:
+    """The benchmarks' tenant, with limits above every rate offered (they measure the relay,
+    not the throttle), and its app; sending to the fake FCM at `fcm_url` if given."""
+    from relay.models import App, Tenant
+    from relay.services.credentials import records
+
+    tenant = Tenant.objects.create(
+        name="bench", rate_limit_per_second=100_000, rate_limit_burst=100_000
+    )
+    app = App.objects.create(tenant=tenant, name="bench")
+    if fcm_account is not None:
+        credentials = {"service_account": fcm_account.read_text(), "endpoint": fcm_url}
+        records.store(app, "fcm", credentials)
+    return app
+
+
 def get_json(url: str, timeout: float = 30) -> Any:
     return json.loads(urllib.request.urlopen(url, timeout=timeout).read())
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import django_on_fresh_database, wait_http, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    bench_app,
+    django_on_fresh_database,
+    start_fake_fcm,
+    write_results,
+)
 
 WARM_PUSHES = 50
 
@@ -40,33 +44,15 @@ def main() -> None:
     django_on_fresh_database(os.environ.get("RELAY_BENCH_DB", "relay_everyday"))
 
     from relay.identifiers import new_node, new_secret
-    from relay.models import App, Component, Registration, Service, Tenant
+    from relay.models import Component, Registration, Service
     from relay.services import direct_sends, publishing
-    from relay.services.credentials import records
 
     port = int(os.environ.get("BENCH_FAKE_PORT", "18091"))
     account = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "sa.json"
-    argv = [sys.executable, "-m", "tests.fakes.fcm", "--port", str(port), "--project", "bench"]
-    fake = subprocess.Popen(
-        [*argv, "--write-service-account", str(account)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    fake = start_fake_fcm(port, account)
     try:
-        wait_http(f"http://127.0.0.1:{port}/_fake/stats")
-        while not account.exists():
-            time.sleep(0.05)
-        # A limit above every rate: this measures the path, not the throttle's refusals.
-        tenant = Tenant.objects.create(
-            name="bench", rate_limit_per_second=100_000, rate_limit_burst=100_000
-        )
-        app = App.objects.create(tenant=tenant, name="bench")
-        records.store(
-            app,
-            "fcm",
-            {"service_account": account.read_text(), "endpoint": f"http://127.0.0.1:{port}"},
-        )
+        app = bench_app(account, f"http://127.0.0.1:{port}")
+        tenant = app.tenant
         component = Component.objects.create(
             tenant=tenant, app=app, jid="push.bench", secret="s", host="127.0.0.1", port=1
         )

@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import django_on_fresh_database, write_results  # noqa: E402
+from bench.common import bench_app, django_on_fresh_database, write_results  # noqa: E402
 from bench.component_server import ComponentServer  # noqa: E402
 from bench.relay import cpu_seconds, machine_busy, server_pids  # noqa: E402
 from tests.support.processes import child_pids  # noqa: E402
@@ -99,15 +99,12 @@ def main() -> None:
     database_url = django_on_fresh_database(BENCH_DB, RELAY_DIRECT_SEND_SHARE="0")
     broker_url = os.environ["CELERY_BROKER_URL"]
     from relay.identifiers import new_node, new_secret
-    from relay.models import App, Component, ComponentLink, LinkState, Registration, Service, Tenant
+    from relay.models import Component, ComponentLink, LinkState, Registration, Service
     from tests.support import broker
 
     broker.purge()
-    # A limit above every rate offered: this measures the gateway, not the throttle.
-    tenant = Tenant.objects.create(
-        name="bench", rate_limit_per_second=100_000, rate_limit_burst=100_000
-    )
-    app = App.objects.create(tenant=tenant, name="bench")
+    app = bench_app()
+    tenant = app.tenant
     # Its probe listener on a free port: another gateway on this machine may hold the default.
     env = dict(os.environ, GATEWAY_PROBE_LISTEN="127.0.0.1:0")
     gateway = subprocess.Popen([sys.executable, "manage.py", "run_gateway"], cwd=ROOT, env=env)

@@ -36,10 +36,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import (  # noqa: E402
     Profiler,
+    bench_app,
     django_on_fresh_database,
     percentiles,
+    start_fake_fcm,
     start_workers,
-    wait_http,
     write_results,
 )
 from bench.component_server import PUBLISH, ComponentServer  # noqa: E402
@@ -184,8 +185,7 @@ def main() -> None:
     database_url = django_on_fresh_database(BENCH_DB)
     broker_url = os.environ["CELERY_BROKER_URL"]
     from relay.identifiers import new_node, new_secret
-    from relay.models import App, Component, Registration, Service, Tenant
-    from relay.services.credentials import records
+    from relay.models import Component, Registration, Service
     from tests.support import broker
 
     broker.purge()
@@ -193,34 +193,11 @@ def main() -> None:
     fake_port = int(os.environ.get("BENCH_FAKE_PORT", "18089"))
     fake_url = f"http://127.0.0.1:{fake_port}"
     sa_path = workdir / "sa.json"
-    fake = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.fakes.fcm",
-            "--port",
-            str(fake_port),
-            "--project",
-            "bench",
-            "--write-service-account",
-            str(sa_path),
-            "--record",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    fake = start_fake_fcm(fake_port, sa_path, record=True)
     processes: list[subprocess.Popen[bytes]] = [fake]
     try:
-        wait_http(f"{fake_url}/_fake/stats")
-        while not sa_path.exists():
-            time.sleep(0.05)
-        # A limit above every rate offered: this measures the relay, not the throttle.
-        tenant = Tenant.objects.create(
-            name="bench", rate_limit_per_second=100_000, rate_limit_burst=100_000
-        )
-        app = App.objects.create(tenant=tenant, name="bench")
-        records.store(app, "fcm", {"service_account": sa_path.read_text(), "endpoint": fake_url})
+        app = bench_app(sa_path, fake_url)
+        tenant = app.tenant
 
         async def run() -> dict[str, object]:
             server = PacedComponentServer("push.bench", "bench-secret")
