@@ -8,7 +8,7 @@ and for sending, its user and system time and its context switches, for each gap
 pushes: none (back to back), a sleep (as at an everyday rate, where the process is idle
 between pushes) and a busy wait of the same length (the thread kept running). What the code
 costs apart from the event loop and the threads around it, and how much more it costs when
-it runs cold. Options: --pushes, --gap (seconds). RELAY_BENCH_DB names the database it
+it runs cold. Options: --pushes, --gap (seconds), --profile. RELAY_BENCH_DB names the database it
 re-creates (default relay_everyday), BENCH_FAKE_PORT the fake FCM's port.
 """
 
@@ -40,6 +40,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pushes", type=int, default=500, help="pushes per way of pacing")
     parser.add_argument("--gap", type=float, default=0.01, help="seconds between pushes")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the pushes paced by sleeps (cProfile on the thread's CPU time) and "
+        "print the share of the relay's main steps",
+    )
     args = parser.parse_args()
     django_on_fresh_database(os.environ.get("RELAY_BENCH_DB", "relay_everyday"))
 
@@ -68,7 +74,7 @@ def main() -> None:
                 node=new_node(),
                 secret=new_secret(),
             )
-            for n in range(WARM_PUSHES + args.pushes * len(paces))
+            for n in range(WARM_PUSHES + args.pushes * (len(paces) + args.profile))
         )
 
         def push(registration: Registration) -> tuple[float, float]:
@@ -136,10 +142,47 @@ def main() -> None:
             )
             phases.append(phase)
         figures |= {"benchmark": "everyday_path", "phases": phases, "cpus": os.cpu_count()}
+        if args.profile:
+            start = WARM_PUSHES + len(paces) * args.pushes
+            figures["profile"] = profile(push, registrations[start:], args.gap)
+            print(f"profile, share of the thread's CPU: {figures['profile']}")
         write_results("everyday_path", figures)
     finally:
         fake.kill()
         fake.wait()
+
+
+# The steps whose share of a push's CPU the profile reports (inclusive).
+STEPS = {
+    "FCM request": ("relay/providers/fcm/__init__.py", "send"),
+    "registration lookup": ("relay/services/publishing.py", "_find_registrations"),
+    "throttle": ("relay/services/throttling/__init__.py", "admit_many"),
+    "bookkeeping": ("relay/services/delivery.py", "record"),
+}
+
+
+def profile(push: Any, registrations: list[Any], gap: float) -> dict[str, float]:
+    """Each push under cProfile on the thread's CPU time, paced by sleeps (not profiled)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile(time.thread_time)
+    for registration in registrations:
+        profiler.enable()
+        push(registration)
+        profiler.disable()
+        time.sleep(gap)
+    stats: Any = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    total = sum(entry[2] for entry in stats.values())
+    shares = {}
+    for step, (path, function) in STEPS.items():
+        spent = sum(
+            entry[3]
+            for (file, _, name), entry in stats.items()
+            if file.endswith(path) and name == function
+        )
+        shares[step] = round(spent / total, 3)
+    return shares
 
 
 if __name__ == "__main__":

@@ -168,6 +168,12 @@ def main() -> None:
         help="open-loop phases: publishes per second, comma-separated ('' for none)",
     )
     parser.add_argument("--phase-seconds", type=float, default=12.0)
+    parser.add_argument(
+        "--component-poll-seconds",
+        default="0.5",
+        help="the gateway's RELAY_COMPONENT_POLL_SECONDS, how often it runs its lease round "
+        "(the product's default: 3)",
+    )
     parser.add_argument("--no-closed-loop", action="store_true")
     parser.add_argument(
         "--batching",
@@ -232,7 +238,7 @@ def main() -> None:
             env = dict(
                 os.environ,
                 RELAY_GATEWAY_THREADS=str(args.gateway_threads),
-                RELAY_COMPONENT_POLL_SECONDS="0.5",
+                RELAY_COMPONENT_POLL_SECONDS=args.component_poll_seconds,
             )
             if args.batching == "adaptive":
                 env.update(RELAY_PUBLISH_BATCH_SECONDS="0", RELAY_PUBLISH_BATCH_CONCURRENCY="1")

@@ -11,6 +11,8 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
+from pushsite.celery import app as celery_app
+from relay import amqp_publisher
 from relay.models import DeadLetter, Delivery, Registration, Service
 from relay.providers.base import Outcome, SendResult, Wakeup
 from relay.services import direct_sends, provider_limits, queue, throttling
@@ -146,6 +148,30 @@ def test_a_busy_batch_is_sent_here_in_part_and_the_rest_goes_to_the_workers(
     assert len(queued) == 2
     assert direct_sends.send_planned(plan, send) == [Verdict.ACCEPTED] * mine
     assert [len(fcm.requests_for(r.token)) for r in registrations] == [1] * mine + [0, 0]
+
+
+def test_a_busy_batch_the_broker_refuses_sends_its_own_part_and_answers_the_rest_wait(
+    component, fcm_app, fcm, monkeypatch
+):
+    registrations = [
+        make_registration(component, 200 + n) for n in range(direct_sends.JOBS_MAX + 2)
+    ]
+
+    def broker_down(*args: object, **kwargs: object) -> None:
+        raise OSError("connection refused")
+
+    mine = direct_sends.JOBS_MAX
+    with monkeypatch.context() as patched:
+        # Both ways a message reaches the broker (as in test_batching.py).
+        patched.setattr(celery_app, "send_task", broker_down)
+        patched.setattr(amqp_publisher.ConfirmedPublisher, "publish", broker_down)
+        sends = direct_sends.Budget(share=1.0, in_flight=8)
+        plan = plan_publishes([publish_for(r) for r in registrations], claim=sends.claim)
+        assert plan.verdicts == [None] * mine + [Verdict.UNAVAILABLE] * 2
+        [send] = plan.direct
+        assert direct_sends.send_planned(plan, send) == [Verdict.ACCEPTED] * mine
+    assert [len(fcm.requests_for(r.token)) for r in registrations] == [1] * mine + [0, 0]
+    assert queued_jobs_with_eta() == []
 
 
 def test_a_provider_asking_for_a_retry_keeps_the_push_as_a_deferred_send(component, fcm_app, fcm):

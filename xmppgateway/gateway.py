@@ -420,9 +420,9 @@ class Gateway:
             direct=DirectPath.configured(),
         )
         self.links: dict[int, Link] = {}
-        # Building a link's stream holds the event loop (tens of milliseconds, most of it
-        # slixmpp's TLS context): the links a lease round takes are built one per turn of the
-        # loop, so the lease rounds and the links already up are served in between.
+        # Building a link's stream holds the event loop (what it costs: docs/benchmarks.md,
+        # Capacity): the links a lease round takes are built one per turn of the loop, so the
+        # lease rounds and the links already up are served in between.
         self.link_builds = asyncio.Lock()
         self.synced = False
         self.stopped = asyncio.Event()

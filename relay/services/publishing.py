@@ -335,7 +335,9 @@ def plan_publishes(
         except queue.QueueUnavailable:
             log.warning("publish.queue_unavailable", extra={"publishes": len(theirs)})
             failed_push_ids |= {item.push_id for item, _ in theirs}
-    if failed_push_ids:  # the broker is failing: the batch is answered `wait` as a whole
+    # The broker is failing: what needed it is answered `wait`, the delayed sends too; the
+    # caller's own sends (`direct`) go on.
+    if failed_push_ids:
         failed_push_ids |= {item.push_id for item, _, _ in later_jobs}
     elif later_jobs:
         # A delayed send (a repeat publish inside its coalescing window) waits in the
