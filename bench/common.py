@@ -127,14 +127,20 @@ def write_results(name: str, results: dict[str, Any]) -> None:
 
 
 class Profiler:
-    """py-spy on the processes of a phase (`--profile '<py-spy command>'`), and a summary of
-    where their GIL time went: the collapsed stacks in bench/results/<name>-<process>.folded,
-    and per process the functions holding the most samples (inclusive), for the JSON."""
+    """py-spy or perf on the processes of a phase (`--profile '<py-spy or perf command>'`).
+
+    py-spy: where their GIL time went, the collapsed stacks in
+    bench/results/<name>-<process>.folded, and per process the functions holding the most
+    samples (inclusive), for the JSON. perf: where ALL their CPU went, below Python too
+    (bench/results/<name>-<process>.perf): the share of thread switches (waking and waiting
+    for another thread, the GIL included), of the garbage collector, of the interpreter and of
+    the rest of the kernel (`native_shares`)."""
 
     def __init__(self, command: str, pids: dict[str, int]) -> None:
         import shlex
 
         self.argv = shlex.split(command)
+        self.perf = bool(self.argv) and Path(self.argv[0]).name == "perf"
         self.pids = pids
         self.running: list[tuple[str, Path, subprocess.Popen[bytes]]] = []
 
@@ -142,10 +148,13 @@ class Profiler:
         if not self.argv:
             return
         for name, pid in self.pids.items():
-            out = ROOT / "bench" / "results" / f"{phase}-{name}.folded"
+            out = ROOT / "bench" / "results" / f"{phase}-{name}.{'perf' if self.perf else 'folded'}"
             out.parent.mkdir(parents=True, exist_ok=True)
-            argv = [*self.argv, "record", "-p", str(pid), "-o", str(out), "-r", "250"]
-            argv += ["-f", "raw", "--gil", "--nonblocking"]
+            if self.perf:
+                argv = [*self.argv, "record", "-F", "499", "-p", str(pid), "-o", str(out)]
+            else:
+                argv = [*self.argv, "record", "-p", str(pid), "-o", str(out), "-r", "250"]
+                argv += ["-f", "raw", "--gil", "--nonblocking"]
             spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.running.append((name, out, spy))
         time.sleep(0.5)  # attached before the phase starts
@@ -161,9 +170,60 @@ class Profiler:
             except subprocess.TimeoutExpired:
                 spy.kill()
             if out.exists():
-                summary[name] = hottest(out.read_text(), top)
+                shares = (
+                    native_shares(self.argv, out) if self.perf else hottest(out.read_text(), top)
+                )
+                if shares:  # a process that never ran in the phase (beat) has no samples
+                    summary[name] = shares
         self.running.clear()
-        return {"profile_inclusive_share": summary} if summary else {}
+        if not summary:
+            return {}
+        return {"profile_native_share" if self.perf else "profile_inclusive_share": summary}
+
+
+# What perf's symbols are, by their names: a thread waking another or waiting for a lock (the
+# GIL's among them) and the switch itself; the cyclic garbage collector.
+_SWITCH_SYMBOLS = ("finish_task_switch", "_raw_spin_unlock_irqrestore", "futex", "lll_lock_wait",
+                   "__schedule", "schedule", "try_to_wake_up", "pthread_cond")  # fmt: skip
+_GC_SYMBOLS = ("gc_collect", "visit_decref", "visit_reachable", "_traverse", "subtract_refs",
+               "update_refs", "move_unreachable", "deduce_unreachable")  # fmt: skip
+
+
+def native_shares(perf: list[str], recording: Path) -> dict[str, float]:
+    """Shares of a process's CPU samples in a perf recording: thread switches, the garbage
+    collector, the rest of the interpreter (libpython), the rest of the kernel, the rest."""
+    report = subprocess.run(
+        [*perf, "report", "-i", str(recording), "--no-children", "--sort", "dso,sym",
+         "--stdio", "-g", "none"],
+        capture_output=True, text=True, check=False,
+    ).stdout  # fmt: skip
+    return shares_of_perf_report(report)
+
+
+def shares_of_perf_report(report: str) -> dict[str, float]:
+    """`native_shares` from the text of `perf report --sort dso,sym --stdio` (no samples: {})."""
+    shares = dict.fromkeys(
+        ("thread switches", "garbage collector", "interpreter", "kernel, other", "other"), 0.0
+    )
+    for line in report.splitlines():
+        fields = line.split()
+        if len(fields) < 4 or not fields[0].endswith("%") or line.lstrip().startswith("#"):
+            continue
+        share, dso, symbol = float(fields[0][:-1]) / 100, fields[1], fields[-1]
+        if any(name in symbol for name in _SWITCH_SYMBOLS):
+            key = "thread switches"
+        elif any(name in symbol for name in _GC_SYMBOLS):
+            key = "garbage collector"
+        elif dso.startswith("libpython"):
+            key = "interpreter"
+        elif dso == "[kernel.kallsyms]":
+            key = "kernel, other"
+        else:
+            key = "other"
+        shares[key] += share
+    if not any(shares.values()):
+        return {}
+    return {key: round(value, 3) for key, value in shares.items()}
 
 
 OWN_CODE = ("relay/", "xmppgateway/", "pushsite/")

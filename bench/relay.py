@@ -11,7 +11,9 @@ the measured run, to show which one holds throughput back. RELAY_BENCH_DB names 
 it re-creates (default relay_bench), BENCH_FAKE_PORT the fake FCM's port. `--profile
 py-spy` (py-spy is in the test extra) records the gateway and the workers in every phase and
 adds, per process, the share of GIL samples in the relay's own functions and in the libraries
-they call (bench/results/relay-<phase>-<process>.folded holds the stacks).
+they call (bench/results/relay-<phase>-<process>.folded holds the stacks); `--profile perf`
+(Linux perf, as root) adds the share of each process's CPU spent switching threads, in the
+garbage collector, in the rest of the interpreter and of the kernel.
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ def main() -> None:
         default="",
         help="a py-spy command (e.g. 'py-spy'): the gateway and workers are recorded in each "
         "phase (GIL samples), stacks in bench/results/relay-<phase>-<process>.folded and the "
-        "hottest functions in the JSON",
+        "hottest functions in the JSON; or a perf command ('perf'): the shares of their CPU "
+        "in thread switches, the garbage collector, the interpreter and the kernel",
     )
     parser.add_argument("--concurrency", type=int, default=32, help="threads per worker")
     parser.add_argument("--gateway-threads", type=int, default=16)
@@ -444,10 +447,11 @@ def report(name: str, figures: dict[str, object]) -> None:
         f"(others {figures['machine_busy_cores_others']}); load {figures['load_average']}",
         flush=True,
     )
-    profiles = figures.get("profile_inclusive_share")
-    if isinstance(profiles, dict):
-        for process, shares in profiles.items():
-            print(f"  profile {process}: {shares}", flush=True)
+    for kind in ("profile_inclusive_share", "profile_native_share"):
+        profiles = figures.get(kind)
+        if isinstance(profiles, dict):
+            for process, shares in profiles.items():
+                print(f"  profile {process}: {shares}", flush=True)
 
 
 def wait_fake_count(fake_url: str, count: int, timeout: float, *, strict: bool = True) -> int:

@@ -42,3 +42,29 @@ def test_a_benchmark_starts_and_parses_its_options(script) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "usage:" in done.stdout
+
+
+def test_a_perf_report_is_read_into_shares_of_the_cpu() -> None:
+    from bench.common import shares_of_perf_report
+
+    report = """# Samples: 3K of event 'cpu-clock:pppH'
+#
+# Overhead  Shared Object         Symbol
+# ........  ....................  ...........................
+#
+    19.45%  [kernel.kallsyms]     [k] finish_task_switch.isra.0
+    17.30%  libpython3.11.so.1.0  [.] _PyEval_EvalFrameDefault
+     6.15%  libc.so.6             [.] __GI___lll_lock_wait
+     3.58%  libpython3.11.so.1.0  [.] gc_collect_main
+     0.92%  libpython3.11.so.1.0  [.] visit_reachable
+     2.00%  [kernel.kallsyms]     [k] tcp_sendmsg_locked
+     0.60%  _psycopg.cpython-311-x86_64-linux-gnu.so  [.] pq_exec
+"""
+    assert shares_of_perf_report(report) == {
+        "thread switches": 0.256,
+        "garbage collector": 0.045,
+        "interpreter": 0.173,
+        "kernel, other": 0.02,
+        "other": 0.006,
+    }
+    assert shares_of_perf_report("# no samples\n") == {}
