@@ -809,10 +809,10 @@ def test_the_fcm_ca_bundle_is_the_configured_one(tenant, fake_fcm, tmp_path, mon
     names = {"REQUESTS_CA_BUNDLE": "", "CURL_CA_BUNDLE": "", variable: str(bundle)}
     with override_settings(RELAY={**settings.RELAY, **names}):
         provider = registry.provider_for(App.objects.get(pk=app.pk), "fcm")
-    assert provider._http.connection_pool_kw["ca_certs"] == str(bundle)  # type: ignore[attr-defined]
+    assert provider.route.ca_bundle == str(bundle)  # type: ignore[attr-defined]
     assert provider._token_session.verify == str(bundle)  # type: ignore[attr-defined]
     default = registry.build(App.objects.get(pk=app.pk), spec_for("fcm"))
     try:
-        assert default._http.connection_pool_kw["ca_certs"] != str(bundle)  # type: ignore[attr-defined]
+        assert default.route.ca_bundle != str(bundle)  # type: ignore[attr-defined]
     finally:
         default.close()

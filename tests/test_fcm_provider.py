@@ -1,5 +1,6 @@
-"""The FCM provider against a fake FCM: its own HTTP v1 requests (urllib3), authorized by the
-real firebase-admin credential and google-auth's token grant.
+"""The FCM provider against a fake FCM: its own HTTP v1 requests (urllib3 for a lone wake-up,
+aiohttp for a batch), authorized by the real firebase-admin credential and google-auth's token
+grant.
 
 No database is touched (nothing is marked django_db). Django is set up here only because
 relay.models (Outcome) needs the app registry, so the module also runs without pytest-django.
@@ -16,6 +17,7 @@ import os
 import re
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -676,7 +678,9 @@ def test_a_provider_for_google_sends_through_the_proxy_and_nothing_else(fake, pr
         assert provider.send(wakeup()).outcome == Outcome.RETRY_LATER
         assert time.monotonic() - started < 10  # 0.3 s, with room for a loaded machine
         assert [r.rsplit(" ", 1)[0] for r in proxy.requests] == ["CONNECT fcm.googleapis.com:443"]
-        assert new_threads(before) == []
+        # The provider loop's own threads (the loop, its token fetches and name lookups) are
+        # all that started: a boundary lookup would be one more.
+        assert [name for name in new_threads(before) if not name.startswith("provider-loop")] == []
         assert len(fake.token_grants) == 1
     finally:
         provider.close()
@@ -697,7 +701,48 @@ def test_no_proxy_is_honoured_and_a_plain_http_endpoint_is_proxied_too(fake, pro
     proxied = FcmProvider(FcmConfig(account, fake.url), timeout=0.3)
     try:
         assert proxied.send(wakeup()) == SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+        assert proxied.send_many([wakeup(), wakeup()]) == [
+            SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+        ] * 2
     finally:
         proxied.close()
-    assert proxy.requests == [f"POST {proxied.send_url} HTTP/1.1"]
+    assert proxy.requests == [f"POST {proxied.send_url} HTTP/1.1"] * 3
     assert fake.send_count == 1 and len(fake.token_grants) == 2
+
+
+# --- TLS
+
+
+def test_an_https_endpoint_is_trusted_through_the_configured_ca_bundle_only(tmp_path):
+    """FCM over TLS, verified against the provider's CA bundle: a fake FCM whose certificate
+    a throw-away CA signed is delivered to with that CA's bundle, and refused (NETWORK,
+    nothing sent) with certifi's."""
+    from tests.fakes.apns import CertificateAuthority, _server_certificate
+
+    ca = CertificateAuthority.create("fake FCM CA")
+    cert, key = _server_certificate(ca, "127.0.0.1")
+    (tmp_path / "server.pem").write_text(cert + key)
+    (tmp_path / "ca.pem").write_text(ca.pem)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(tmp_path / "server.pem")
+    with FakeFcm(tls=server) as fake_tls, FakeFcm() as plain:
+        trusted = FcmProvider(
+            FcmConfig(fake_tls.service_account(), fake_tls.url),
+            timeout=5,
+            ca_bundle=str(tmp_path / "ca.pem"),
+        )
+        # Its token from a plain fake: the refusal below is the send's, not the token's.
+        untrusted = FcmProvider(FcmConfig(plain.service_account(), fake_tls.url), timeout=5)
+        try:
+            assert fake_tls.url.startswith("https://")
+            # A lone send (the caller's thread, urllib3) and a batch (the provider loop, aiohttp).
+            assert trusted.send(wakeup()) == SendResult.delivered()
+            assert trusted.send_many([wakeup(), wakeup()]) == [SendResult.delivered()] * 2
+            assert untrusted.send(wakeup()) == SendResult(Outcome.RETRY_LATER, "NETWORK")
+            assert untrusted.send_many([wakeup(), wakeup()]) == [
+                SendResult(Outcome.RETRY_LATER, "NETWORK")
+            ] * 2
+            assert fake_tls.send_count == 3 and len(plain.token_grants) == 1
+        finally:
+            trusted.close()
+            untrusted.close()

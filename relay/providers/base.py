@@ -7,19 +7,22 @@ retry later or failed. Everything else (retries, records, dead registrations) is
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import email.utils
 import functools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # What a provider's client is built with when its caller gives no timeout (seconds); the
 # registry passes RELAY_PROVIDER_TIMEOUT_SECONDS, whose default this is.
@@ -157,3 +160,76 @@ def send_each(provider: PushProvider, wakeups: Sequence[Wakeup]) -> list[SendRes
     if len(results) != len(wakeups):
         return [SendResult(Outcome.RETRY_LATER, error_code="INTERNAL")] * len(wakeups)
     return results
+
+
+# --- the per-process event loop of the providers that send asynchronously ---------------------
+
+
+BLOCKING_THREADS = 4
+
+
+class LoopThread:
+    """An asyncio loop running forever in a daemon thread of this process, shared by the
+    providers whose clients are asynchronous (APNs' aioapns, FCM's aiohttp): their callers
+    (worker and gateway threads) are synchronous, and one loop serves every send of the
+    process, where a thread per send would be switched to and from for each."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        # What the loop's sends must not wait for runs here: a token fetch, a name lookup.
+        self.loop.set_default_executor(
+            ThreadPoolExecutor(max_workers=BLOCKING_THREADS, thread_name_prefix="provider-loop")
+        )
+        self._thread = threading.Thread(target=self._run, name="provider-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @property
+    def usable(self) -> bool:
+        return self.pid == os.getpid() and self._thread.is_alive() and not self.loop.is_closed()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        if self.usable:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+            if not self._thread.is_alive():
+                self.loop.close()
+
+
+_loop_lock = threading.Lock()
+_loop: LoopThread | None = None
+
+
+def shared_loop() -> LoopThread:
+    """This process's loop (a new one after a fork or `stop_shared_loop`)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or not _loop.usable:
+            _loop = LoopThread()
+        return _loop
+
+
+def stop_shared_loop() -> None:
+    """Stop this process's loop (tests); the next send starts a new one."""
+    global _loop
+    with _loop_lock:
+        loop, _loop = _loop, None
+    if loop is not None:
+        loop.stop()
+
+
+def _forget_loop_after_fork() -> None:
+    """The parent's loop thread does not exist in a forked child; its lock may be held."""
+    global _loop, _loop_lock
+    _loop = None
+    _loop_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_loop_after_fork)

@@ -24,6 +24,7 @@ import functools
 import json
 import re
 import secrets
+import ssl
 import sys
 import threading
 import time
@@ -286,8 +287,11 @@ class FakeFcm:
         record: bool = True,
         token_lifetime: int = 3600,
         token_path: str = "/token",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """`tls`: served over HTTPS with this server context (sends and token grants)."""
         self.host = host
+        self.tls = tls
         self.record = record
         self.token_lifetime = token_lifetime
         self.token_path = token_path
@@ -319,7 +323,9 @@ class FakeFcm:
             asyncio.set_event_loop(loop)
             try:
                 self._server = loop.run_until_complete(
-                    asyncio.start_server(self._serve, self.host, self._requested_port, backlog=512)
+                    asyncio.start_server(
+                        self._serve, self.host, self._requested_port, backlog=512, ssl=self.tls
+                    )
                 )
             except BaseException as exc:
                 started.set_exception(exc)
@@ -380,7 +386,7 @@ class FakeFcm:
     @property
     def url(self) -> str:
         """The FCM endpoint (what `FcmConfig.endpoint` takes)."""
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def token_uri(self) -> str:

@@ -1,10 +1,10 @@
 """APNs over HTTP/2 through aioapns 4.0, behind the synchronous `PushProvider` interface.
 
 aioapns binds to the first event loop it runs on, and Celery calls us synchronously from
-prefork processes or threads. So every process keeps ONE asyncio loop in a daemon thread,
-shared by all APNs providers of that process (one thread, not one per app), and `send()`
-submits coroutines to it with `run_coroutine_threadsafe`. After a fork the child starts its
-own loop on first use; a provider built before the fork rebuilds its client there.
+prefork processes or threads. So `send()` submits coroutines to the process's one provider
+loop (`relay.providers.base.shared_loop`, a daemon thread shared with FCM's sends). After a
+fork the child starts its own loop on first use; a provider built before the fork rebuilds
+its client there.
 
 The client is built through aioapns' documented constructor; a custom CA (e.g. a test fake's) is
 trusted through its `ssl_context`. Where it connects (aioapns has no host argument) and how a
@@ -16,7 +16,6 @@ Privacy: the device token is the device's address. It is never logged nor return
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import os
@@ -25,10 +24,9 @@ import ssl
 import tempfile
 import threading
 import uuid
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from aioapns import APNs, NotificationRequest, PushType
@@ -39,12 +37,17 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from relay.providers.apns import connection as apns_connection
 from relay.providers.apns.connection import NotificationResult
-from relay.providers.base import DEFAULT_TIMEOUT_SECONDS, Outcome, SendResult, Wakeup
+from relay.providers.base import (
+    DEFAULT_TIMEOUT_SECONDS,
+    LoopThread,
+    Outcome,
+    SendResult,
+    Wakeup,
+    shared_loop,
+)
 from relay.providers.payloads import ApnsPayload
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 PRODUCTION_HOST = "api.push.apple.com"
 SANDBOX_HOST = "api.sandbox.push.apple.com"
@@ -285,68 +288,6 @@ def apns_id(push_id: str) -> str:
         return str(uuid.uuid5(_PUSH_ID_NAMESPACE, push_id))
 
 
-# --- the per-process event loop ---------------------------------------------------------------
-
-
-class _LoopThread:
-    """An asyncio loop running forever in a daemon thread of this process."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="apns-loop", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    @property
-    def usable(self) -> bool:
-        return self.pid == os.getpid() and self._thread.is_alive() and not self.loop.is_closed()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self) -> None:
-        if self.usable:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
-            if not self._thread.is_alive():
-                self.loop.close()
-
-
-_loop_lock = threading.Lock()
-_loop: _LoopThread | None = None
-
-
-def _shared_loop() -> _LoopThread:
-    global _loop
-    with _loop_lock:
-        if _loop is None or not _loop.usable:
-            _loop = _LoopThread()
-        return _loop
-
-
-def _forget_loop_after_fork() -> None:
-    """The parent's loop thread does not exist in a forked child; its lock may be held."""
-    global _loop, _loop_lock
-    _loop = None
-    _loop_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_loop_after_fork)
-
-
-def shutdown() -> None:
-    """Stop this process's APNs loop (worker shutdown, tests); the next send starts a new one."""
-    global _loop
-    with _loop_lock:
-        loop, _loop = _loop, None
-    if loop is not None:
-        loop.stop()
-
-
 class ApnsProvider:
     """Sends wake-ups for one app; thread-safe, one HTTP/2 connection reused for many sends."""
 
@@ -371,7 +312,7 @@ class ApnsProvider:
         self.time_to_live = time_to_live
         self._lock = threading.Lock()
         self._client: APNs | None = None
-        self._runner: _LoopThread | None = None
+        self._runner: LoopThread | None = None
         self._in_flight: set[str] = set()  # apns-ids being sent; touched on the loop only
 
     def __repr__(self) -> str:
@@ -412,10 +353,10 @@ class ApnsProvider:
 
     # internals
 
-    def _client_here(self) -> tuple[_LoopThread, APNs]:
+    def _client_here(self) -> tuple[LoopThread, APNs]:
         """This process's loop and a client built in it (rebuilt after a fork or close)."""
         with self._lock:
-            runner = _shared_loop()
+            runner = shared_loop()
             if self._client is None or self._runner is not runner:
                 self._client = runner.submit(self._make_client()).result(self.timeout)
                 self._runner = runner
@@ -484,5 +425,4 @@ __all__ = [
     "apns_id",
     "build_payload",
     "classify",
-    "shutdown",
 ]

@@ -13,13 +13,22 @@ detail. Through `messaging.send` every send also ran requests' per-request work 
 google-auth's AuthorizedSession: more than twice this path's CPU per send, at a lower rate
 (docs/benchmarks.md, "Providers", has the figures, measured back to back); and the endpoint,
 the library's retries and google-auth's regional access boundary lookup could only be changed
-through private names. Here the URL is ours (the app's endpoint setting), urllib3's
-PoolManager sends without retries (the relay's queue retries with its own backoff), and the
-access token comes from the credential firebase-admin holds for the app
+through private names. Here the URL is ours (the app's endpoint setting), the requests go
+without retries (the relay's queue retries with its own backoff), and the access token comes
+from the credential firebase-admin holds for the app
 (`App.credential.get_credential()`), refreshed with google-auth's public `Credentials.refresh`
 within the provider timeout. Nothing private of either library is used. `refresh` does not
 start google-auth's regional access boundary lookup (only `before_request` does, which this
 module never calls); tests/test_fcm_provider.py checks that against the installed google-auth.
+
+Two ways out, one route (`Route`: the proxy and CA bundle) and one classification:
+- a batch (`send_many`) leaves from the process's provider loop
+  (`relay.providers.base.shared_loop`) over aiohttp, its requests side by side on that one
+  thread: a thread per request spent more CPU waking threads and handing the GIL between
+  them than sending (docs/benchmarks.md, "Providers");
+- a lone wake-up (`send`, what a gateway sends at an everyday rate) leaves from the caller's
+  thread over urllib3: a hop to the loop and back would be two more thread switches than
+  the request itself.
 
 Classification (`classify_answer`, `classify_auth_error`):
 
@@ -47,17 +56,21 @@ is never an exception message or FCM's text (FCM may echo the token in one).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import json
 import logging
+import ssl
 import threading
 import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
+import aiohttp
 import firebase_admin
 import google.auth.exceptions
 import requests
@@ -70,10 +83,12 @@ from google.auth.transport.requests import Request as GoogleAuthRequest
 
 from relay.providers.base import (
     DEFAULT_TIMEOUT_SECONDS,
+    LoopThread,
     Outcome,
     SendResult,
     Wakeup,
     parse_retry_after,
+    shared_loop,
 )
 from relay.providers.payloads import FcmPayload
 
@@ -87,10 +102,8 @@ _BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
 # Statuses that mean "FCM or the path to it is having a moment": try again later.
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_FCM_CODES = frozenset({"QUOTA_EXCEEDED", "UNAVAILABLE", "INTERNAL"})
-# Threads shared by this provider's `send_many` batches (RELAY MAX_IN_FLIGHT_PER_PROVIDER
-# bounds what is actually in flight).
-SEND_MANY_THREADS = 64
-# Connections kept open to the endpoint: the batches' threads plus a worker's own.
+# Connections to the endpoint at most (RELAY_MAX_IN_FLIGHT_PER_PROVIDER bounds what is in
+# flight); a request beyond waits for one.
 POOL_CONNECTIONS = 100
 # Every send's headers besides the token. X-GOOG-API-FORMAT-VERSION 2 is what firebase-admin's
 # clients send to ask FCM for its detailed errors (the google.rpc.BadRequest field violations
@@ -253,22 +266,53 @@ def classify_auth_error(error: google.auth.exceptions.GoogleAuthError) -> SendRe
     return SendResult(Outcome.FAILED, "OAUTH_ERROR")
 
 
-def _connections(url: str, ca_bundle: str = "") -> urllib3.PoolManager:
-    """The pool `url`'s sends go through, with what requests would take from the environment
-    for it: the proxy (unless NO_PROXY names the host), read once; the CA bundle, `ca_bundle`
-    (the services pass REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE) or certifi's."""
-    parts = urlsplit(url)
-    options: dict[str, Any] = {
-        "maxsize": POOL_CONNECTIONS,
-        "cert_reqs": "CERT_REQUIRED",
-        "ca_certs": ca_bundle or requests.certs.where(),
-    }
-    proxy = urllib.request.getproxies().get(parts.scheme)
-    if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
-        return urllib3.PoolManager(**options)
-    auth = urllib3.util.parse_url(proxy).auth
-    headers = urllib3.make_headers(proxy_basic_auth=auth) if auth else None
-    return urllib3.ProxyManager(proxy, proxy_headers=headers, **options)
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How a provider's sends leave, with what requests would take from the environment for
+    its URL, read once: the proxy (unless NO_PROXY names the host) and the CA bundle,
+    `ca_bundle` (the services pass REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE) or certifi's."""
+
+    ca_bundle: str
+    proxy: str | None = None
+    proxy_auth: aiohttp.BasicAuth | None = None
+
+    @classmethod
+    def for_url(cls, url: str, ca_bundle: str = "") -> Route:
+        parts = urlsplit(url)
+        bundle = ca_bundle or requests.certs.where()
+        proxy = urllib.request.getproxies().get(parts.scheme)
+        if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
+            return cls(bundle)
+        address = urlsplit(proxy)
+        if address.username is None:
+            return cls(bundle, proxy)
+        auth = aiohttp.BasicAuth(unquote(address.username), unquote(address.password or ""))
+        host = address.netloc.rpartition("@")[2]
+        return cls(bundle, address._replace(netloc=host).geturl(), auth)
+
+    def pool(self) -> urllib3.PoolManager:
+        """The connections of the lone sends (`FcmProvider.send`)."""
+        options: dict[str, Any] = {
+            "maxsize": POOL_CONNECTIONS,
+            "cert_reqs": "CERT_REQUIRED",
+            "ca_certs": self.ca_bundle,
+        }
+        if self.proxy is None:
+            return urllib3.PoolManager(**options)
+        auth = self.proxy_auth
+        headers = (
+            urllib3.make_headers(proxy_basic_auth=f"{auth.login}:{auth.password}") if auth else None
+        )
+        return urllib3.ProxyManager(self.proxy, proxy_headers=headers, **options)
+
+    def tls(self) -> ssl.SSLContext:
+        """Built when the provider makes its first connection (a bundle read at start-up would
+        fail the provider's construction, not its sends)."""
+        return ssl.create_default_context(cafile=self.ca_bundle)
+
+
+class _Closed(Exception):
+    """The provider was closed (its app's credentials changed)."""
 
 
 class FcmProvider:
@@ -294,17 +338,29 @@ class FcmProvider:
         self.payload = payload or DEFAULT_PAYLOAD
         self.timeout = DEFAULT_TIMEOUT_SECONDS if timeout is None else float(timeout)
         self.send_url = send_url(config.endpoint, config.project_id)
+        self.route = Route.for_url(self.send_url, ca_bundle)
         self._closed = False
-        self._pool: ThreadPoolExecutor | None = None
         self._token_lock = threading.Lock()
         self._close_lock = threading.Lock()
-        self._http = _connections(self.send_url, ca_bundle)
-        self._request_timeout = urllib3.Timeout(connect=self.timeout, read=self.timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: LoopThread | None = None
+        self._request_timeout = aiohttp.ClientTimeout(
+            sock_connect=self.timeout, sock_read=self.timeout
+        )
+        self._http = self.route.pool()
+        self._http_timeout = urllib3.Timeout(connect=self.timeout, read=self.timeout)
+        # What a batch may take at most, every refresh and request at its timeout: only a
+        # wedged loop reaches it.
+        self._batch_seconds = (AUTH_REFRESHES + 1) * 3 * self.timeout + 5.0
         self._token_session = requests.Session()
         if ca_bundle:
             self._token_session.verify = ca_bundle
+        # The bundle given per request: requests would otherwise take REQUESTS_CA_BUNDLE from
+        # the process's environment over the session's.
         self._token_request = functools.partial(
-            GoogleAuthRequest(self._token_session), timeout=self.timeout
+            GoogleAuthRequest(self._token_session),
+            timeout=self.timeout,
+            verify=self.route.ca_bundle,
         )
         self._app = firebase_admin.initialize_app(
             credentials.Certificate(dict(config.service_account)),
@@ -331,6 +387,15 @@ class FcmProvider:
                 self._credential.refresh(self._token_request)
             return f"Bearer {self._credential.token}"
 
+    async def _authorization_async(self, refused: str = "") -> str:
+        """`_authorization` on the loop: a fetch (a blocking request) runs in the loop's
+        executor, so that the other sends go on meanwhile."""
+        token = self._credential.token
+        if token and self._credential.valid and f"Bearer {token}" != refused:
+            return f"Bearer {token}"
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self._authorization, refused)
+
     def send(self, wakeup: Wakeup) -> SendResult:
         if self._closed:
             # The app's credentials changed under an in-flight task: the retry uses the new ones.
@@ -350,7 +415,7 @@ class FcmProvider:
                     self.send_url,
                     body=body,
                     headers={**_HEADERS, "Authorization": authorization},
-                    timeout=self._request_timeout,
+                    timeout=self._http_timeout,
                     retries=False,
                     redirect=False,
                 )
@@ -360,36 +425,105 @@ class FcmProvider:
                 return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "TIMEOUT"))
             except urllib3.exceptions.HTTPError:
                 return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
-            if 200 <= answer.status < 300:
-                return SendResult.delivered()
             if answer.status != 401:
-                break
+                return self._answered(wakeup, answer.status, answer.data, answer.headers)
             # A token revoked before its time: a new one, and the send repeated.
             refused = authorization
-        result = classify_answer(answer.status, answer.data, answer.headers.get("Retry-After"))
-        return self._not_delivered(wakeup, result)
+        return self._answered(wakeup, answer.status, answer.data, answer.headers)
+
+    def _answered(
+        self, wakeup: Wakeup, status: int, body: bytes, headers: Mapping[str, str]
+    ) -> SendResult:
+        if 200 <= status < 300:
+            return SendResult.delivered()
+        return self._not_delivered(
+            wakeup, classify_answer(status, body, headers.get("Retry-After"))
+        )
 
     def send_many(self, wakeups: list[Wakeup]) -> list[SendResult]:
-        """A batch as `send` each, over a thread pool this provider's batches share."""
-        with self._close_lock:
-            if self._closed:
-                return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=SEND_MANY_THREADS, thread_name_prefix="fcm-send"
-                )
-            pool = self._pool
+        """The batch's requests side by side on the provider loop; one result per wake-up."""
         try:
-            return list(pool.map(self._send_guarded, wakeups))
-        except RuntimeError:  # the pool was shut down by a concurrent close()
+            runner, session = self._session_here()
+        except _Closed:
+            # The app's credentials changed under an in-flight task: the retry uses the new ones.
+            return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
+        except (OSError, ssl.SSLError, concurrent.futures.TimeoutError) as error:
+            logger.warning("fcm client not built", extra={"error_type": type(error).__name__})
+            result = SendResult(Outcome.RETRY_LATER, "NETWORK")
+            return [self._not_delivered(wakeup, result) for wakeup in wakeups]
+        future = runner.submit(self._send_all(session, wakeups))
+        try:
+            return future.result(self._batch_seconds)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return [SendResult(Outcome.RETRY_LATER, "TIMEOUT")] * len(wakeups)
+        except concurrent.futures.CancelledError:  # the loop stopped under the batch
             return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
 
-    def _send_guarded(self, wakeup: Wakeup) -> SendResult:
+    def _session_here(self) -> tuple[LoopThread, aiohttp.ClientSession]:
+        """This process's provider loop and this provider's session on it (a new one after
+        a fork)."""
+        with self._close_lock:
+            if self._closed:
+                raise _Closed
+            runner = shared_loop()
+            if self._session is None or self._runner is not runner:
+                self._session = runner.submit(self._new_session()).result(self.timeout)
+                self._runner = runner
+            return runner, self._session
+
+    async def _new_session(self) -> aiohttp.ClientSession:
+        """Runs on the loop, which the session binds to."""
+        tls = self.route.tls() if urlsplit(self.send_url).scheme == "https" else None
+        connector = aiohttp.TCPConnector(
+            limit=POOL_CONNECTIONS,
+            ssl=tls if tls else True,
+            # The system's resolver, in the loop's executor: aiodns, where
+            # installed, would be aiohttp's choice and starts a thread of its own.
+            resolver=aiohttp.ThreadedResolver(),
+        )
+        return aiohttp.ClientSession(connector=connector, timeout=self._request_timeout)
+
+    async def _send_all(
+        self, session: aiohttp.ClientSession, wakeups: list[Wakeup]
+    ) -> list[SendResult]:
+        return list(await asyncio.gather(*(self._send_guarded(session, w) for w in wakeups)))
+
+    async def _send_guarded(self, session: aiohttp.ClientSession, wakeup: Wakeup) -> SendResult:
         try:
-            return self.send(wakeup)
+            return await self._send(session, wakeup)
         except Exception as error:  # one crash must not cost the batch its other results
             logger.exception("fcm send crashed", extra={"error_type": type(error).__name__})
             return SendResult(Outcome.RETRY_LATER, "INTERNAL")
+
+    async def _send(self, session: aiohttp.ClientSession, wakeup: Wakeup) -> SendResult:
+        if not wakeup.token:
+            return SendResult(Outcome.DEAD_TOKEN, "EMPTY_TOKEN")
+        body = json.dumps(build_message(wakeup, self.payload)).encode()
+        refused = ""
+        for _ in range(AUTH_REFRESHES + 1):
+            try:
+                authorization = await self._authorization_async(refused)
+            except google.auth.exceptions.GoogleAuthError as error:
+                return self._not_delivered(wakeup, classify_auth_error(error))
+            try:
+                async with session.post(
+                    self.send_url,
+                    data=body,
+                    headers={**_HEADERS, "Authorization": authorization},
+                    allow_redirects=False,
+                    proxy=self.route.proxy,
+                    proxy_auth=self.route.proxy_auth,
+                ) as answer:
+                    status, data, headers = answer.status, await answer.read(), answer.headers
+            except TimeoutError:  # aiohttp's connect and read timeouts are TimeoutErrors
+                return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "TIMEOUT"))
+            except (aiohttp.ClientError, OSError):  # refused, dropped, TLS refused, closed
+                return self._not_delivered(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
+            if status != 401:
+                return self._answered(wakeup, status, data, headers)
+            refused = authorization  # as in `send`
+        return self._answered(wakeup, status, data, headers)
 
     def _not_delivered(self, wakeup: Wakeup, result: SendResult) -> SendResult:
         log = logger.warning if result.outcome == Outcome.FAILED else logger.info
@@ -411,9 +545,13 @@ class FcmProvider:
             if self._closed:
                 return
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False)
+            session, runner = self._session, self._runner
+            self._session = self._runner = None
+        if session is not None and runner is not None and runner.usable:
+            try:
+                runner.submit(session.close()).result(5.0)
+            except Exception as error:  # closing must not fail a credentials change
+                logger.warning("fcm close failed", extra={"error_type": type(error).__name__})
         self._http.clear()
         self._token_session.close()
         firebase_admin.delete_app(self._app)
