@@ -102,9 +102,12 @@ _BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
 # Statuses that mean "FCM or the path to it is having a moment": try again later.
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_FCM_CODES = frozenset({"QUOTA_EXCEEDED", "UNAVAILABLE", "INTERNAL"})
-# Connections to the endpoint at most (RELAY_MAX_IN_FLIGHT_PER_PROVIDER bounds what is in
-# flight); a request beyond waits for one.
+# Connections kept open to the endpoint for the lone sends (the callers' threads).
 POOL_CONNECTIONS = 100
+# A batch's requests in flight at once per provider, over all its batches; a request beyond
+# waits for a connection. A provider that never answers holds at most these until they time
+# out (what its breaker learns from), as the thread pool that sent batches did.
+BATCH_REQUESTS_IN_FLIGHT = 64
 # Every send's headers besides the token. X-GOOG-API-FORMAT-VERSION 2 is what firebase-admin's
 # clients send to ask FCM for its detailed errors (the google.rpc.BadRequest field violations
 # `_is_about_token` reads).
@@ -311,6 +314,9 @@ class Route:
         return ssl.create_default_context(cafile=self.ca_bundle)
 
 
+_EMPTY_TOKEN = SendResult(Outcome.DEAD_TOKEN, "EMPTY_TOKEN")
+
+
 class _Closed(Exception):
     """The provider was closed (its app's credentials changed)."""
 
@@ -401,9 +407,8 @@ class FcmProvider:
             # The app's credentials changed under an in-flight task: the retry uses the new ones.
             return SendResult(Outcome.RETRY_LATER, "CLOSED")
         if not wakeup.token:
-            return SendResult(Outcome.DEAD_TOKEN, "EMPTY_TOKEN")
-        body = json.dumps(build_message(wakeup, self.payload)).encode()
-        refused = ""
+            return _EMPTY_TOKEN
+        body, refused = self._request_body(wakeup), ""
         for _ in range(AUTH_REFRESHES + 1):
             try:
                 authorization = self._authorization(refused)
@@ -430,6 +435,9 @@ class FcmProvider:
             # A token revoked before its time: a new one, and the send repeated.
             refused = authorization
         return self._answered(wakeup, answer.status, answer.data, answer.headers)
+
+    def _request_body(self, wakeup: Wakeup) -> bytes:
+        return json.dumps(build_message(wakeup, self.payload)).encode()
 
     def _answered(
         self, wakeup: Wakeup, status: int, body: bytes, headers: Mapping[str, str]
@@ -476,7 +484,7 @@ class FcmProvider:
         """Runs on the loop, which the session binds to."""
         tls = self.route.tls() if urlsplit(self.send_url).scheme == "https" else None
         connector = aiohttp.TCPConnector(
-            limit=POOL_CONNECTIONS,
+            limit=BATCH_REQUESTS_IN_FLIGHT,
             ssl=tls if tls else True,
             # The system's resolver, in the loop's executor: aiodns, where
             # installed, would be aiohttp's choice and starts a thread of its own.
@@ -498,9 +506,8 @@ class FcmProvider:
 
     async def _send(self, session: aiohttp.ClientSession, wakeup: Wakeup) -> SendResult:
         if not wakeup.token:
-            return SendResult(Outcome.DEAD_TOKEN, "EMPTY_TOKEN")
-        body = json.dumps(build_message(wakeup, self.payload)).encode()
-        refused = ""
+            return _EMPTY_TOKEN
+        body, refused = self._request_body(wakeup), ""
         for _ in range(AUTH_REFRESHES + 1):
             try:
                 authorization = await self._authorization_async(refused)
