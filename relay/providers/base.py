@@ -195,34 +195,18 @@ class LoopThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def stop(self) -> None:
-        if self.usable:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
-            if not self._thread.is_alive():
-                self.loop.close()
-
 
 _loop_lock = threading.Lock()
 _loop: LoopThread | None = None
 
 
 def shared_loop() -> LoopThread:
-    """This process's loop (a new one after a fork or `stop_shared_loop`)."""
+    """This process's loop (a new one after a fork)."""
     global _loop
     with _loop_lock:
         if _loop is None or not _loop.usable:
             _loop = LoopThread()
         return _loop
-
-
-def stop_shared_loop() -> None:
-    """Stop this process's loop (tests); the next send starts a new one."""
-    global _loop
-    with _loop_lock:
-        loop, _loop = _loop, None
-    if loop is not None:
-        loop.stop()
 
 
 def _forget_loop_after_fork() -> None:

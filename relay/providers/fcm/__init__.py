@@ -24,8 +24,8 @@ module never calls); tests/test_fcm_provider.py checks that against the installe
 Two ways out, one route (`Route`: the proxy and CA bundle) and one classification:
 - a batch (`send_many`) leaves from the process's provider loop
   (`relay.providers.base.shared_loop`) over aiohttp, its requests side by side on that one
-  thread: a thread per request spent more CPU waking threads and handing the GIL between
-  them than sending (docs/benchmarks.md, "Providers");
+  thread: a thread per request costs more CPU in waking threads and handing the GIL between
+  them than in sending (docs/benchmarks.md, "A batch's FCM requests on one loop");
 - a lone wake-up (`send`, what a gateway sends at an everyday rate) leaves from the caller's
   thread over urllib3: a hop to the loop and back would be two more thread switches than
   the request itself.
@@ -106,7 +106,7 @@ _TRANSIENT_FCM_CODES = frozenset({"QUOTA_EXCEEDED", "UNAVAILABLE", "INTERNAL"})
 POOL_CONNECTIONS = 100
 # A batch's requests in flight at once per provider, over all its batches; a request beyond
 # waits for a connection. A provider that never answers holds at most these until they time
-# out (what its breaker learns from), as the thread pool that sent batches did.
+# out (what its breaker learns from).
 BATCH_REQUESTS_IN_FLIGHT = 64
 # Every send's headers besides the token. X-GOOG-API-FORMAT-VERSION 2 is what firebase-admin's
 # clients send to ask FCM for its detailed errors (the google.rpc.BadRequest field violations
@@ -384,21 +384,28 @@ class FcmProvider:
         or FCM just refused `refused` (unless another thread has replaced that one already).
         google-auth refreshes without a lock; without this one, N threads starting together
         would each fetch a token."""
-        token = self._credential.token
-        if token and self._credential.valid and f"Bearer {token}" != refused:
-            return f"Bearer {token}"
+        current = self._current_authorization(refused)
+        if current:
+            return current
         with self._token_lock:
             token = self._credential.token
             if not (token and self._credential.valid) or f"Bearer {token}" == refused:
                 self._credential.refresh(self._token_request)
             return f"Bearer {self._credential.token}"
 
-    async def _authorization_async(self, refused: str = "") -> str:
-        """`_authorization` on the loop: a fetch (a blocking request) runs in the loop's
-        executor, so that the other sends go on meanwhile."""
+    def _current_authorization(self, refused: str) -> str:
+        """The token held, if it is valid and not the one FCM refused; else ""."""
         token = self._credential.token
         if token and self._credential.valid and f"Bearer {token}" != refused:
             return f"Bearer {token}"
+        return ""
+
+    async def _authorization_async(self, refused: str = "") -> str:
+        """`_authorization` on the loop: a fetch (a blocking request) runs in the loop's
+        executor, so that the other sends go on meanwhile."""
+        current = self._current_authorization(refused)
+        if current:
+            return current
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self._authorization, refused)
 
@@ -485,7 +492,7 @@ class FcmProvider:
         tls = self.route.tls() if urlsplit(self.send_url).scheme == "https" else None
         connector = aiohttp.TCPConnector(
             limit=BATCH_REQUESTS_IN_FLIGHT,
-            ssl=tls if tls else True,
+            ssl=tls or True,
             # The system's resolver, in the loop's executor: aiodns, where
             # installed, would be aiohttp's choice and starts a thread of its own.
             resolver=aiohttp.ThreadedResolver(),
