@@ -27,13 +27,14 @@ from django.apps import apps
 if not apps.ready:  # without pytest-django: relay.models holds Outcome; no database is used
     django.setup()
 
+from relay.providers import apns as apns_module
 from relay.providers.apns import (
     ApnsConfig,
     ApnsProvider,
     apns_id,
     classify,
 )
-from relay.providers.base import Outcome, Wakeup
+from relay.providers.base import Outcome, SendResult, Wakeup
 from tests.fakes.apns import (
     FakeApns,
     make_client_certificate,
@@ -263,6 +264,60 @@ def test_malformed_token_is_dead_without_asking_apple(provider, fake):
 
     assert (result.outcome, result.error_code) == (Outcome.DEAD_TOKEN, "BadDeviceToken")
     assert fake.requests == []
+
+
+# --- a batch: `send_many` -----------------------------------------------------------------------
+
+
+def test_a_batch_is_classified_as_its_sends_are_one_by_one(provider, fake):
+    dead, busy, fine = token(), token(), token()
+    fake.respond(dead, status=410, reason="Unregistered")
+    fake.respond(busy, status=429, reason="TooManyRequests")
+    batch = [wakeup(dead), wakeup("not/a/token"), wakeup(busy), wakeup(fine)]
+
+    one_by_one = [provider.send(w) for w in batch]
+    together = provider.send_many([wakeup(w.token) for w in batch])
+
+    assert together == one_by_one
+    assert [r.outcome for r in together] == [
+        Outcome.DEAD_TOKEN,
+        Outcome.DEAD_TOKEN,
+        Outcome.RETRY_LATER,
+        Outcome.DELIVERED,
+    ]
+    # The malformed token never reached Apple, either time.
+    assert sorted(r.token for r in fake.requests) == sorted([dead, busy, fine] * 2)
+
+
+def test_a_batch_is_sent_side_by_side(provider, fake):
+    devices = [token() for _ in range(8)]
+    for device in devices:
+        fake.respond(device, delay=1.0)
+
+    results = provider.send_many([wakeup(d) for d in devices])
+
+    assert results == [SendResult.delivered()] * 8
+    arrived = [r.received_at for r in fake.requests]
+    assert len(arrived) == 8
+    assert max(arrived) - min(arrived) < 1.0  # each sent before the first was answered
+
+
+def test_requests_beyond_the_in_flight_cap_wait_for_a_slot(fake, p8, make_provider, monkeypatch):
+    """A provider that stops answering holds at most the cap's requests (what its breaker
+    learns from); the next one goes out when one of them ends."""
+    monkeypatch.setattr(apns_module, "BATCH_REQUESTS_IN_FLIGHT", 2)
+    provider = make_provider(token_config(fake, p8[0]), timeout=10.0)
+    slow = [token(), token()]
+    for device in slow:
+        fake.respond(device, delay=0.5)
+    waiting = token()
+
+    results = provider.send_many([wakeup(slow[0]), wakeup(slow[1]), wakeup(waiting)])
+
+    assert results == [SendResult.delivered()] * 3
+    first = min(r.received_at for r in fake.requests if r.token in slow)
+    (late,) = fake.requests_for(waiting)
+    assert late.received_at - first >= 0.45  # after an answer that took 0.5 s
 
 
 def test_connection_refused_is_retry_later_at_once(p8, make_provider, fake):

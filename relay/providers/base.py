@@ -104,8 +104,8 @@ class PushProvider(Protocol):
         ...
 
     # Optional: `send_many(wakeups) -> list[SendResult]`, one result per wake-up in order,
-    # for providers that send a batch better than `send` in threads (FCM). `send_each`
-    # falls back to `send` over a shared thread pool.
+    # for providers that send a batch better than `send` in threads (FCM, APNs: on the
+    # provider loop). `send_each` falls back to `send` over a shared thread pool.
 
 
 def send_one(provider: PushProvider, wakeup: Wakeup) -> SendResult:
@@ -166,6 +166,10 @@ def send_each(provider: PushProvider, wakeups: Sequence[Wakeup]) -> list[SendRes
 
 
 BLOCKING_THREADS = 4
+# A provider's requests in flight at once on the loop, over all its batches; one beyond waits.
+# A provider that never answers holds at most these until they time out (what its breaker
+# learns from).
+BATCH_REQUESTS_IN_FLIGHT = 64
 
 
 class LoopThread:

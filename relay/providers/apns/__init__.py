@@ -2,7 +2,8 @@
 
 aioapns binds to the first event loop it runs on, and Celery calls us synchronously from
 prefork processes or threads. So `send()` submits coroutines to the process's one provider
-loop (`relay.providers.base.shared_loop`, a daemon thread shared with FCM's sends). After a
+loop (`relay.providers.base.shared_loop`, a daemon thread shared with FCM's sends), and
+`send_many()` a batch's requests side by side, in one hop to the loop and back. After a
 fork the child starts its own loop on first use; a provider built before the fork rebuilds
 its client there.
 
@@ -16,6 +17,7 @@ Privacy: the device token is the device's address. It is never logged nor return
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
@@ -38,6 +40,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from relay.providers.apns import connection as apns_connection
 from relay.providers.apns.connection import NotificationResult
 from relay.providers.base import (
+    BATCH_REQUESTS_IN_FLIGHT,
     DEFAULT_TIMEOUT_SECONDS,
     LoopThread,
     Outcome,
@@ -313,6 +316,7 @@ class ApnsProvider:
         self._lock = threading.Lock()
         self._client: APNs | None = None
         self._runner: LoopThread | None = None
+        self._in_flight_slots: asyncio.Semaphore | None = None  # the loop's, with the client
         self._in_flight: set[str] = set()  # apns-ids being sent; touched on the loop only
 
     def __repr__(self) -> str:
@@ -321,24 +325,27 @@ class ApnsProvider:
     # sync API
 
     def send(self, wakeup: Wakeup) -> SendResult:
-        if not _HEX_TOKEN.fullmatch(wakeup.token):
-            # Apple would say the same; and the token must not reach the :path unchecked.
-            return SendResult(Outcome.DEAD_TOKEN, "BadDeviceToken")
-        try:
-            runner, client = self._client_here()
-        except Exception as error:
-            log.error("APNs client for %s cannot be built: %s", self.config.topic, error)
-            return SendResult(Outcome.FAILED, "CLIENT")
-        future = runner.submit(self._send(client, self._request(wakeup)))
-        try:
-            # The coroutine enforces the timeout itself; this only guards a wedged loop.
-            result = future.result(self.timeout + 5.0)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            result = SendResult(Outcome.RETRY_LATER, "TIMEOUT")
-        if result.outcome != Outcome.DELIVERED:
-            log.info("APNs push %s: %s %s", wakeup.push_id, result.outcome, result.error_code)
-        return result
+        return self.send_many([wakeup])[0]
+
+    def send_many(self, wakeups: list[Wakeup]) -> list[SendResult]:
+        """The wake-ups' requests side by side on the provider loop; one result per wake-up."""
+        results: list[SendResult | None] = [None] * len(wakeups)
+        requests: dict[int, NotificationRequest] = {}
+        for index, wakeup in enumerate(wakeups):
+            if _HEX_TOKEN.fullmatch(wakeup.token):
+                requests[index] = self._request(wakeup)
+            else:
+                # Apple would say the same; and the token must not reach the :path unchecked.
+                results[index] = SendResult(Outcome.DEAD_TOKEN, "BadDeviceToken")
+        if requests:
+            sent = self._send_all(list(requests.values()))
+            for index, answer in zip(requests, sent, strict=True):
+                results[index] = answer
+        answered = [result for result in results if result is not None]
+        for wakeup, result in zip(wakeups, answered, strict=True):
+            if result.outcome != Outcome.DELIVERED:
+                log.info("APNs push %s: %s %s", wakeup.push_id, result.outcome, result.error_code)
+        return answered
 
     def close(self) -> None:
         """Close this provider's connections; the shared loop keeps serving other providers."""
@@ -353,6 +360,25 @@ class ApnsProvider:
 
     # internals
 
+    def _send_all(self, requests: list[NotificationRequest]) -> list[SendResult]:
+        try:
+            runner, client = self._client_here()
+        except Exception as error:
+            log.error("APNs client for %s cannot be built: %s", self.config.topic, error)
+            return [SendResult(Outcome.FAILED, "CLIENT")] * len(requests)
+        future = runner.submit(self._gather(client, requests))
+        try:
+            # Each request enforces its timeout itself; this only guards a wedged loop.
+            return future.result(self.timeout + 5.0)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return [SendResult(Outcome.RETRY_LATER, "TIMEOUT")] * len(requests)
+        except concurrent.futures.CancelledError:  # the loop stopped under the batch
+            return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(requests)
+
+    async def _gather(self, client: APNs, requests: list[NotificationRequest]) -> list[SendResult]:
+        return list(await asyncio.gather(*(self._send(client, r) for r in requests)))
+
     def _client_here(self) -> tuple[LoopThread, APNs]:
         """This process's loop and a client built in it (rebuilt after a fork or close)."""
         with self._lock:
@@ -360,6 +386,7 @@ class ApnsProvider:
             if self._client is None or self._runner is not runner:
                 self._client = runner.submit(self._make_client()).result(self.timeout)
                 self._runner = runner
+                self._in_flight_slots = None
             return runner, self._client
 
     async def _make_client(self) -> APNs:
@@ -392,13 +419,34 @@ class ApnsProvider:
         )
 
     async def _send(self, client: APNs, request: NotificationRequest) -> SendResult:
-        """Send, never raising: what could not be answered is RETRY_LATER."""
+        """Send, never raising: what could not be answered within the timeout (a wait for one
+        of the provider's slots included) is RETRY_LATER."""
+        if self._in_flight_slots is None:  # on the loop, which it binds to
+            self._in_flight_slots = asyncio.Semaphore(BATCH_REQUESTS_IN_FLIGHT)
+        slots = self._in_flight_slots
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        if slots.locked():
+            try:
+                await asyncio.wait_for(slots.acquire(), self.timeout)
+            except TimeoutError:
+                return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+        else:
+            await slots.acquire()  # at once, without wait_for's task
+        try:
+            return await self._send_in_slot(client, request, max(deadline - loop.time(), 0.001))
+        finally:
+            slots.release()
+
+    async def _send_in_slot(
+        self, client: APNs, request: NotificationRequest, timeout: float
+    ) -> SendResult:
         if request.notification_id in self._in_flight:
             # aioapns keys answers by apns-id: two live requests with one id would hang one.
             request.notification_id = str(uuid.uuid4())
         self._in_flight.add(request.notification_id)
         try:
-            response = await apns_connection.send(client, request, self.timeout)
+            response = await apns_connection.send(client, request, timeout)
         except TimeoutError:
             return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
         except Exception as error:

@@ -82,6 +82,7 @@ from firebase_admin import credentials
 from google.auth.transport.requests import Request as GoogleAuthRequest
 
 from relay.providers.base import (
+    BATCH_REQUESTS_IN_FLIGHT,
     DEFAULT_TIMEOUT_SECONDS,
     LoopThread,
     Outcome,
@@ -104,10 +105,6 @@ _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_FCM_CODES = frozenset({"QUOTA_EXCEEDED", "UNAVAILABLE", "INTERNAL"})
 # Connections kept open to the endpoint for the lone sends (the callers' threads).
 POOL_CONNECTIONS = 100
-# A batch's requests in flight at once per provider, over all its batches; a request beyond
-# waits for a connection. A provider that never answers holds at most these until they time
-# out (what its breaker learns from).
-BATCH_REQUESTS_IN_FLIGHT = 64
 # Every send's headers besides the token. X-GOOG-API-FORMAT-VERSION 2 is what firebase-admin's
 # clients send to ask FCM for its detailed errors (the google.rpc.BadRequest field violations
 # `_is_about_token` reads).
