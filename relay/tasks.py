@@ -195,14 +195,24 @@ def _nothing() -> None:
     pass
 
 
+# A young collection after this many new container objects (CPython's default: 700), the
+# middle one after 20 young ones and the oldest after 100 middle ones (default: 10 and 10).
+# A batch of sends allocates thousands of short-lived objects, nearly all gone by its end: at
+# the default a young pass ran several times per send and moved live ones on to the older
+# generations, to be walked again (the collector's share of a worker's CPU and its figures:
+# docs/benchmarks.md). Garbage in cycles waits for at most this many allocations longer.
+COLLECTOR_THRESHOLDS = (20_000, 20, 100)
+
+
 @worker_ready.connect(weak=False)
 @worker_process_init.connect(weak=False)
 def _freeze_the_loaded_heap(**_: object) -> None:
     """What the worker loaded (Django, Celery, the models, the providers' clients) lives as
     long as the process: out of the collector's passes, which otherwise walk it again and
-    again while sends allocate (a worker's CPU per push: docs/benchmarks.md). A prefork
-    child freezes what it inherited."""
+    again while sends allocate (a worker's CPU per push: docs/benchmarks.md); and the passes
+    spaced for a worker's allocations. A prefork child freezes what it inherited."""
     gc.freeze()
+    gc.set_threshold(*COLLECTOR_THRESHOLDS)
 
 
 @worker_ready.connect
