@@ -13,13 +13,16 @@ import email.utils
 import functools
 import logging
 import os
+import ssl
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, ClassVar, Protocol, TypeVar
+
+import aiohttp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -199,6 +202,21 @@ class LoopThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def send_batch(
+        self, batch: Coroutine[Any, Any, list[SendResult]], count: int, seconds: float
+    ) -> list[SendResult]:
+        """A batch's results from the loop. Its requests enforce their timeouts themselves:
+        only a wedged loop reaches `seconds`, and the batch is then cancelled and answered
+        retry later (the sends are kept and tried again)."""
+        future = self.submit(batch)
+        try:
+            return future.result(seconds)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return [SendResult(Outcome.RETRY_LATER, "TIMEOUT")] * count
+        except concurrent.futures.CancelledError:  # the loop stopped under the batch
+            return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * count
+
 
 _loop_lock = threading.Lock()
 _loop: LoopThread | None = None
@@ -221,3 +239,69 @@ def _forget_loop_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_loop_after_fork)
+
+
+class ProviderClosed(Exception):
+    """The provider was closed (its app's credentials changed) under a send: the retry uses
+    the new ones."""
+
+
+class LoopSession:
+    """A provider's aiohttp session on this process's provider loop: built there on first
+    use (the session binds to the loop) and again after a fork; at most
+    BATCH_REQUESTS_IN_FLIGHT connections; closed with the provider. Thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        timeout: aiohttp.ClientTimeout,
+        build_timeout: float,
+        tls: Callable[[], ssl.SSLContext | None] = lambda: None,
+    ) -> None:
+        self._timeout = timeout
+        self._build_timeout = build_timeout
+        self._tls = tls
+        self._lock = threading.Lock()
+        self._closed = False
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: LoopThread | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def here(self) -> tuple[LoopThread, aiohttp.ClientSession]:
+        """This process's loop and the session on it; ProviderClosed once closed."""
+        with self._lock:
+            if self._closed:
+                raise ProviderClosed
+            runner = shared_loop()
+            if self._session is None or self._runner is not runner:
+                self._session = runner.submit(self._new()).result(self._build_timeout)
+                self._runner = runner
+            return runner, self._session
+
+    async def _new(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=BATCH_REQUESTS_IN_FLIGHT,
+            ssl=self._tls() or True,
+            # The system's resolver, in the loop's executor: aiodns, where installed, would
+            # be aiohttp's choice and starts a thread of its own.
+            resolver=aiohttp.ThreadedResolver(),
+        )
+        return aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+
+    def close(self) -> bool:
+        """Close the session (idempotent); False if it was closed already."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            session, runner = self._session, self._runner
+            self._session = self._runner = None
+        if session is not None and runner is not None and runner.usable:
+            try:
+                runner.submit(session.close()).result(5.0)
+            except Exception as error:  # closing must not fail a credentials change
+                log.warning("provider.close_failed", extra={"error_type": type(error).__name__})
+        return True

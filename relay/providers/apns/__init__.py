@@ -18,7 +18,6 @@ Privacy: the device token is the device's address. It is never logged nor return
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import re
@@ -366,15 +365,7 @@ class ApnsProvider:
         except Exception as error:
             log.error("APNs client for %s cannot be built: %s", self.config.topic, error)
             return [SendResult(Outcome.FAILED, "CLIENT")] * len(requests)
-        future = runner.submit(self._gather(client, requests))
-        try:
-            # Each request enforces its timeout itself; this only guards a wedged loop.
-            return future.result(self.timeout + 5.0)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            return [SendResult(Outcome.RETRY_LATER, "TIMEOUT")] * len(requests)
-        except concurrent.futures.CancelledError:  # the loop stopped under the batch
-            return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(requests)
+        return runner.send_batch(self._gather(client, requests), len(requests), self.timeout + 5.0)
 
     async def _gather(self, client: APNs, requests: list[NotificationRequest]) -> list[SendResult]:
         return list(await asyncio.gather(*(self._send(client, r) for r in requests)))

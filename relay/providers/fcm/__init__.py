@@ -82,14 +82,13 @@ from firebase_admin import credentials
 from google.auth.transport.requests import Request as GoogleAuthRequest
 
 from relay.providers.base import (
-    BATCH_REQUESTS_IN_FLIGHT,
     DEFAULT_TIMEOUT_SECONDS,
-    LoopThread,
+    LoopSession,
     Outcome,
+    ProviderClosed,
     SendResult,
     Wakeup,
     parse_retry_after,
-    shared_loop,
 )
 from relay.providers.payloads import FcmPayload
 
@@ -314,10 +313,6 @@ class Route:
 _EMPTY_TOKEN = SendResult(Outcome.DEAD_TOKEN, "EMPTY_TOKEN")
 
 
-class _Closed(Exception):
-    """The provider was closed (its app's credentials changed)."""
-
-
 class FcmProvider:
     """Sends wake-ups for one Firebase project; safe to share between threads.
 
@@ -342,13 +337,11 @@ class FcmProvider:
         self.timeout = DEFAULT_TIMEOUT_SECONDS if timeout is None else float(timeout)
         self.send_url = send_url(config.endpoint, config.project_id)
         self.route = Route.for_url(self.send_url, ca_bundle)
-        self._closed = False
         self._token_lock = threading.Lock()
-        self._close_lock = threading.Lock()
-        self._session: aiohttp.ClientSession | None = None
-        self._runner: LoopThread | None = None
-        self._request_timeout = aiohttp.ClientTimeout(
-            sock_connect=self.timeout, sock_read=self.timeout
+        self._loop_session = LoopSession(
+            timeout=aiohttp.ClientTimeout(sock_connect=self.timeout, sock_read=self.timeout),
+            build_timeout=self.timeout,
+            tls=lambda: self.route.tls() if urlsplit(self.send_url).scheme == "https" else None,
         )
         self._http = self.route.pool()
         self._http_timeout = urllib3.Timeout(connect=self.timeout, read=self.timeout)
@@ -407,7 +400,7 @@ class FcmProvider:
         return await loop.run_in_executor(None, self._authorization, refused)
 
     def send(self, wakeup: Wakeup) -> SendResult:
-        if self._closed:
+        if self._loop_session.closed:
             # The app's credentials changed under an in-flight task: the retry uses the new ones.
             return SendResult(Outcome.RETRY_LATER, "CLOSED")
         if not wakeup.token:
@@ -455,46 +448,17 @@ class FcmProvider:
     def send_many(self, wakeups: list[Wakeup]) -> list[SendResult]:
         """The batch's requests side by side on the provider loop; one result per wake-up."""
         try:
-            runner, session = self._session_here()
-        except _Closed:
+            runner, session = self._loop_session.here()
+        except ProviderClosed:
             # The app's credentials changed under an in-flight task: the retry uses the new ones.
             return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
         except (OSError, ssl.SSLError, concurrent.futures.TimeoutError) as error:
             logger.warning("fcm client not built", extra={"error_type": type(error).__name__})
             result = SendResult(Outcome.RETRY_LATER, "NETWORK")
             return [self._not_delivered(wakeup, result) for wakeup in wakeups]
-        future = runner.submit(self._send_all(session, wakeups))
-        try:
-            return future.result(self._batch_seconds)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            return [SendResult(Outcome.RETRY_LATER, "TIMEOUT")] * len(wakeups)
-        except concurrent.futures.CancelledError:  # the loop stopped under the batch
-            return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
-
-    def _session_here(self) -> tuple[LoopThread, aiohttp.ClientSession]:
-        """This process's provider loop and this provider's session on it (a new one after
-        a fork)."""
-        with self._close_lock:
-            if self._closed:
-                raise _Closed
-            runner = shared_loop()
-            if self._session is None or self._runner is not runner:
-                self._session = runner.submit(self._new_session()).result(self.timeout)
-                self._runner = runner
-            return runner, self._session
-
-    async def _new_session(self) -> aiohttp.ClientSession:
-        """Runs on the loop, which the session binds to."""
-        tls = self.route.tls() if urlsplit(self.send_url).scheme == "https" else None
-        connector = aiohttp.TCPConnector(
-            limit=BATCH_REQUESTS_IN_FLIGHT,
-            ssl=tls or True,
-            # The system's resolver, in the loop's executor: aiodns, where
-            # installed, would be aiohttp's choice and starts a thread of its own.
-            resolver=aiohttp.ThreadedResolver(),
+        return runner.send_batch(
+            self._send_all(session, wakeups), len(wakeups), self._batch_seconds
         )
-        return aiohttp.ClientSession(connector=connector, timeout=self._request_timeout)
 
     async def _send_all(
         self, session: aiohttp.ClientSession, wakeups: list[Wakeup]
@@ -552,17 +516,8 @@ class FcmProvider:
 
     def close(self) -> None:
         """Close connections and delete the firebase App; idempotent."""
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-            session, runner = self._session, self._runner
-            self._session = self._runner = None
-        if session is not None and runner is not None and runner.usable:
-            try:
-                runner.submit(session.close()).result(5.0)
-            except Exception as error:  # closing must not fail a credentials change
-                logger.warning("fcm close failed", extra={"error_type": type(error).__name__})
+        if not self._loop_session.close():
+            return
         self._http.clear()
         self._token_session.close()
         firebase_admin.delete_app(self._app)
