@@ -62,10 +62,19 @@ def wakeup(sub: FakeSubscription, *, important: bool = True, channel: str = "") 
     )
 
 
-def test_an_important_wakeup_arrives_encrypted_with_a_valid_vapid_jwt(fake, private_key):
+@pytest.fixture(params=["lone", "batch"])
+def send(request):
+    """A wake-up sent alone (requests, in this thread) or as a batch (aiohttp, on the
+    provider loop): the same request on the wire, the same classification."""
+    if request.param == "lone":
+        return lambda provider, w: provider.send(w)
+    return lambda provider, w: provider.send_many([w])[0]
+
+
+def test_an_important_wakeup_arrives_encrypted_with_a_valid_vapid_jwt(fake, private_key, send):
     provider = provider_for(fake, private_key)
     sub = fake.subscribe()
-    result = provider.send(wakeup(sub))
+    result = send(provider, wakeup(sub))
     assert result.outcome == Outcome.DELIVERED, (result, fake.refusals)
     [message] = fake.received_for(sub)
     assert message.payload() == {"account": ACCOUNT, "priority": "high"}
@@ -79,10 +88,10 @@ def test_an_important_wakeup_arrives_encrypted_with_a_valid_vapid_jwt(fake, priv
     provider.close()
 
 
-def test_a_silent_wakeup_for_a_room_is_normal_urgency_and_carries_the_room(fake, private_key):
+def test_a_silent_wakeup_for_a_room_is_normal_urgency_and_carries_the_room(fake, private_key, send):
     provider = provider_for(fake, private_key, ttl=600, topic=True)
     sub = fake.subscribe()
-    assert provider.send(wakeup(sub, important=False, channel="b" * 40)).outcome == (
+    assert send(provider, wakeup(sub, important=False, channel="b" * 40)).outcome == (
         Outcome.DELIVERED
     )
     [message] = fake.received_for(sub)
@@ -92,7 +101,7 @@ def test_a_silent_wakeup_for_a_room_is_normal_urgency_and_carries_the_room(fake,
     topic = message.headers["topic"]
     assert len(topic) <= 32 and ACCOUNT not in topic
     # The same account and room collapse under the same topic.
-    provider.send(wakeup(sub, important=False, channel="b" * 40))
+    send(provider, wakeup(sub, important=False, channel="b" * 40))
     assert fake.received_for(sub)[1].headers["topic"] == topic
     provider.close()
 
@@ -119,16 +128,16 @@ def test_one_jwt_serves_many_sends_to_one_push_service(fake, private_key):
     ],
     ids=["404", "410", "413", "400", "429", "503", "500"],
 )
-def test_answers_are_classified(fake, private_key, reply, outcome, code, retry_after):
+def test_answers_are_classified(fake, private_key, send, reply, outcome, code, retry_after):
     provider = provider_for(fake, private_key)
     sub = fake.subscribe()
     fake.script(sub, reply)
-    result = provider.send(wakeup(sub))
+    result = send(provider, wakeup(sub))
     assert (result.outcome, result.error_code, result.retry_after) == (outcome, code, retry_after)
     provider.close()
 
 
-def test_a_message_encrypted_to_other_keys_is_refused_by_the_service(fake, private_key):
+def test_a_message_encrypted_to_other_keys_is_refused_by_the_service(fake, private_key, send):
     """The fake really decrypts: keys that do not belong to the endpoint make a 400."""
     provider = provider_for(fake, private_key)
     sub, other = fake.subscribe(), fake.subscribe()
@@ -137,21 +146,21 @@ def test_a_message_encrypted_to_other_keys_is_refused_by_the_service(fake, priva
         token=subscription(sub.endpoint, other.p256dh, other.auth).token(),
         account=ACCOUNT,
     )
-    assert provider.send(mixed).error_code == "HTTP_400"
+    assert send(provider, mixed).error_code == "HTTP_400"
     assert [(sub_id, status) for sub_id, status, _ in fake.refusals] == [(sub.id, 400)]
     provider.close()
 
 
-def test_an_endpoint_off_the_allowed_hosts_is_not_sent_to(fake, private_key):
+def test_an_endpoint_off_the_allowed_hosts_is_not_sent_to(fake, private_key, send):
     config = WebPushConfig(
         private_key=private_key, subject=SUBJECT, endpoint_hosts=("*.push.example.org",)
     )
     provider = WebPushProvider(config)
     sub = fake.subscribe()
-    assert provider.send(wakeup(sub)).error_code == "ENDPOINT_NOT_ALLOWED"
+    assert send(provider, wakeup(sub)).error_code == "ENDPOINT_NOT_ALLOWED"
     # No hosts: any public https host, never loopback or a private address.
     provider = WebPushProvider(WebPushConfig(private_key=private_key, subject=SUBJECT))
-    assert provider.send(wakeup(sub)).error_code == "ENDPOINT_NOT_ALLOWED"
+    assert send(provider, wakeup(sub)).error_code == "ENDPOINT_NOT_ALLOWED"
     assert fake.received == []
     assert endpoint_allowed("https://updates.push.services.mozilla.com/wpush/v2/x", ())
     assert endpoint_allowed("https://fcm.googleapis.com/fcm/send/x", ())
@@ -166,18 +175,75 @@ def test_an_endpoint_off_the_allowed_hosts_is_not_sent_to(fake, private_key):
         assert not endpoint_allowed(refused, ()), refused
 
 
-def test_timeouts_and_refused_connections_are_retried_later(fake, private_key):
+def test_timeouts_and_refused_connections_are_retried_later(fake, private_key, send):
     provider = provider_for(fake, private_key, timeout=0.3)
     sub = fake.subscribe()
     fake.script(sub, FakeReply(201, delay=10))
-    assert provider.send(wakeup(sub)).error_code == "TIMEOUT"
+    assert send(provider, wakeup(sub)).error_code == "TIMEOUT"
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     gone = subscription(f"http://127.0.0.1:{port}/push/x", sub.p256dh, sub.auth)
-    result = provider.send(Wakeup(push_id="p", token=gone.token(), account=ACCOUNT))
+    result = send(provider, Wakeup(push_id="p", token=gone.token(), account=ACCOUNT))
     assert (result.outcome, result.error_code) == (Outcome.RETRY_LATER, "NETWORK")
     provider.close()
+
+
+def test_a_redirect_is_not_followed(fake, private_key, send):
+    """The endpoint is what the allow-list checked: a push service's redirect is an answer,
+    not somewhere else to send the wake-up."""
+    provider = provider_for(fake, private_key)
+    sub, elsewhere = fake.subscribe(), fake.subscribe()
+    fake.script(sub, FakeReply(307, {"Location": elsewhere.endpoint}))
+    result = send(provider, wakeup(sub))
+    assert (result.outcome, result.error_code) == (Outcome.FAILED, "HTTP_307")
+    assert fake.received_for(elsewhere) == [] and fake.refusals == []
+    provider.close()
+
+
+def test_a_batch_is_classified_as_its_sends_one_by_one(fake, private_key):
+    provider = provider_for(fake, private_key)
+    gone, busy, fine = fake.subscribe(), fake.subscribe(), fake.subscribe()
+    fake.script(gone, FakeReply(410), FakeReply(410))
+    fake.script(busy, FakeReply(429, {"Retry-After": "7"}), FakeReply(429, {"Retry-After": "7"}))
+    junk = Wakeup(push_id="j", token="not json", account=ACCOUNT)
+    batch = [wakeup(gone), junk, wakeup(busy), wakeup(fine)]
+
+    one_by_one = [provider.send(w) for w in batch]
+    together = provider.send_many(batch)
+
+    assert together == one_by_one
+    assert [(r.outcome, r.error_code) for r in together] == [
+        (Outcome.DEAD_TOKEN, "HTTP_410"),
+        (Outcome.DEAD_TOKEN, "BAD_SUBSCRIPTION"),
+        (Outcome.RETRY_LATER, "HTTP_429"),
+        (Outcome.DELIVERED, ""),
+    ]
+    assert len(fake.received_for(fine)) == 2
+    provider.close()
+
+
+def test_a_batch_is_sent_side_by_side(fake, private_key):
+    provider = provider_for(fake, private_key, timeout=5.0)
+    subs = [fake.subscribe() for _ in range(4)]
+    for sub in subs:
+        fake.script(sub, FakeReply(201, delay=1.0))
+
+    results = provider.send_many([wakeup(sub) for sub in subs])
+
+    assert [r.outcome for r in results] == [Outcome.DELIVERED] * 4
+    answered = [message.received_at for message in fake.received]
+    assert len(answered) == 4
+    assert max(answered) - min(answered) < 1.0  # each taken before the first was answered
+    provider.close()
+
+
+def test_a_closed_provider_sends_nothing_and_answers_retry_later(fake, private_key, send):
+    provider = provider_for(fake, private_key)
+    provider.close()
+    result = send(provider, wakeup(fake.subscribe()))
+    assert (result.outcome, result.error_code) == (Outcome.RETRY_LATER, "CLOSED")
+    assert fake.received == []
 
 
 def test_a_token_that_is_no_subscription_is_a_dead_token(private_key):

@@ -3,10 +3,15 @@ a browser's push service, or a UnifiedPush distributor (ntfy, NextPush, ...), wa
 
 The subscription (the registration's token) is what the client's PushManager gave it: the
 endpoint URL and its `p256dh` and `auth` keys. The wake-up is a small JSON object, encrypted to
-those keys by pywebpush (`WebPusher.send`, with http-ece underneath), so the push service sees
-nothing but its size; the JWT of the `Authorization: vapid t=…,k=…` header is signed by
+those keys by pywebpush (`WebPusher.encode`, with http-ece underneath), so the push service
+sees nothing but its size; the JWT of the `Authorization: vapid t=…,k=…` header is signed by
 py-vapid with the app's key, one per push service origin, reused until shortly before it
 expires. No cryptography is written here.
+
+A lone wake-up (`send`) is POSTed over requests in the caller's thread; a batch's
+(`send_many`) side by side over aiohttp on the process's provider loop
+(`relay.providers.base.shared_loop`), encrypted first in the caller's thread. Neither follows
+a redirect: the endpoint is what the allow-list checked.
 
 Classification (`classify`):
 
@@ -17,6 +22,7 @@ The push service's answer          Outcome      error_code
 404, 410                           DEAD_TOKEN   HTTP_404 / HTTP_410
 408, 429, 5xx (+ Retry-After)      RETRY_LATER  HTTP_<code>
 400, 401, 403, 413, other 4xx      FAILED       HTTP_<code>
+3xx (a redirect, not followed)     FAILED       HTTP_<code>
 timeout / network error            RETRY_LATER  TIMEOUT / NETWORK
 endpoint not on the allowed hosts  FAILED       ENDPOINT_NOT_ALLOWED
 a subscription that does not load  DEAD_TOKEN   BAD_SUBSCRIPTION
@@ -25,8 +31,10 @@ a subscription that does not load  DEAD_TOKEN   BAD_SUBSCRIPTION
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import concurrent.futures
 import hashlib
 import ipaddress
 import json
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+import aiohttp
 import requests
 from cryptography.hazmat.primitives.asymmetric import ec
 from py_vapid import Vapid02
@@ -47,7 +56,9 @@ from requests.adapters import HTTPAdapter
 
 from relay.providers.base import (
     DEFAULT_TIMEOUT_SECONDS,
+    LoopSession,
     Outcome,
+    ProviderClosed,
     SendResult,
     Wakeup,
     parse_retry_after,
@@ -232,6 +243,16 @@ def classify(status: int, retry_after: str | None = None) -> SendResult:
     return SendResult(Outcome.FAILED, code)
 
 
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A wake-up ready to POST: encrypted, its headers signed."""
+
+    push_id: str
+    endpoint: str
+    headers: dict[str, str]
+    body: bytes
+
+
 def _origin(endpoint: str) -> str:
     parts = urlsplit(endpoint)
     return f"{parts.scheme}://{parts.netloc}"
@@ -258,7 +279,13 @@ class WebPushProvider:
         )
         self._session.mount("https://", adapter)
         self._session.mount("http://", adapter)
-        self._closed = False
+        self._loop_session = LoopSession(
+            timeout=aiohttp.ClientTimeout(sock_connect=self.timeout, sock_read=self.timeout),
+            build_timeout=self.timeout,
+        )
+        # What a batch may take at most, every request waiting for a connection, connecting
+        # and reading at its timeout: only a wedged loop reaches it.
+        self._batch_seconds = 3 * self.timeout + 5.0
 
     def __repr__(self) -> str:
         return f"<WebPushProvider subject={self.config.subject}>"
@@ -278,7 +305,46 @@ class WebPushProvider:
             return header
 
     def send(self, wakeup: Wakeup) -> SendResult:
-        if self._closed:
+        request = self._prepare(wakeup)
+        if isinstance(request, SendResult):
+            return request
+        try:
+            response = self._session.post(
+                request.endpoint,
+                data=request.body,
+                headers=request.headers,
+                timeout=self.timeout,
+                allow_redirects=False,
+            )
+        except requests.Timeout:
+            return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+        except requests.RequestException:
+            return SendResult(Outcome.RETRY_LATER, "NETWORK")
+        response.close()
+        return self._answered(request, response.status_code, response.headers.get("Retry-After"))
+
+    def send_many(self, wakeups: list[Wakeup]) -> list[SendResult]:
+        """The batch's requests side by side on the provider loop; one result per wake-up."""
+        prepared = [self._prepare(wakeup) for wakeup in wakeups]
+        ready = [request for request in prepared if isinstance(request, _Request)]
+        if not ready:
+            return [result for result in prepared if isinstance(result, SendResult)]
+        try:
+            runner, session = self._loop_session.here()
+        except ProviderClosed:
+            return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
+        except (OSError, concurrent.futures.TimeoutError) as error:
+            logger.warning("webpush.client_not_built", extra={"error_type": type(error).__name__})
+            return [SendResult(Outcome.RETRY_LATER, "NETWORK")] * len(wakeups)
+        sent = iter(
+            runner.send_batch(self._post_all(session, ready), len(ready), self._batch_seconds)
+        )
+        return [next(sent) if isinstance(item, _Request) else item for item in prepared]
+
+    def _prepare(self, wakeup: Wakeup) -> _Request | SendResult:
+        """The wake-up encrypted to its subscription with its headers, or why it is not sent."""
+        if self._loop_session.closed:
+            # The app's credentials changed under an in-flight task: the retry uses the new ones.
             return SendResult(Outcome.RETRY_LATER, "CLOSED")
         try:
             target = parse_token(wakeup.token)
@@ -287,37 +353,53 @@ class WebPushProvider:
         if not endpoint_allowed(target.endpoint, self.config.endpoint_hosts):
             logger.warning("webpush: endpoint not allowed, push %s not sent", wakeup.push_id)
             return SendResult(Outcome.FAILED, "ENDPOINT_NOT_ALLOWED")
+        try:
+            body = WebPusher(target.info).encode(build_payload(wakeup), "aes128gcm")["body"]
+        except (WebPushException, ValueError):
+            return SendResult(Outcome.DEAD_TOKEN, "BAD_SUBSCRIPTION")
         headers = {
             "Authorization": self._authorization(target.endpoint),
+            "Content-Encoding": "aes128gcm",
+            "TTL": str(self.config.ttl),
             "Urgency": "high" if wakeup.important else "normal",
         }
         if self.config.topic:
             headers["Topic"] = topic(wakeup)
+        return _Request(wakeup.push_id, target.endpoint, headers, bytes(body))
+
+    async def _post_all(
+        self, session: aiohttp.ClientSession, ready: list[_Request]
+    ) -> list[SendResult]:
+        return list(await asyncio.gather(*(self._post(session, r) for r in ready)))
+
+    async def _post(self, session: aiohttp.ClientSession, request: _Request) -> SendResult:
         try:
-            response = WebPusher(target.info, requests_session=self._session).send(
-                data=build_payload(wakeup),
-                headers=headers,
-                ttl=self.config.ttl,
-                content_encoding="aes128gcm",
-                timeout=self.timeout,
-            )
-        except requests.Timeout:
+            async with session.post(
+                request.endpoint,
+                data=request.body,
+                headers=request.headers,
+                allow_redirects=False,
+            ) as response:
+                await response.read()
+                status, retry_after = response.status, response.headers.get("Retry-After")
+        except TimeoutError:  # aiohttp's connect and read timeouts are TimeoutErrors
             return SendResult(Outcome.RETRY_LATER, "TIMEOUT")
-        except requests.RequestException:
+        except (aiohttp.ClientError, OSError, ValueError):  # refused, dropped, a bad URL
             return SendResult(Outcome.RETRY_LATER, "NETWORK")
-        except (WebPushException, ValueError):
-            return SendResult(Outcome.DEAD_TOKEN, "BAD_SUBSCRIPTION")
-        if isinstance(response, str):  # only with curl=True, never asked for
-            return SendResult(Outcome.FAILED, "INTERNAL")
-        result = classify(response.status_code, response.headers.get("Retry-After"))
-        response.close()
+        except Exception as error:  # one crash must not cost the batch its other results
+            logger.exception("webpush.send_crashed", extra={"error_type": type(error).__name__})
+            return SendResult(Outcome.RETRY_LATER, "INTERNAL")
+        return self._answered(request, status, retry_after)
+
+    @staticmethod
+    def _answered(request: _Request, status: int, retry_after: str | None) -> SendResult:
+        result = classify(status, retry_after)
         if result.outcome is not Outcome.DELIVERED:
             logger.info(
-                "webpush.not_delivered",
-                extra={"push_id": wakeup.push_id, "status": response.status_code},
+                "webpush.not_delivered", extra={"push_id": request.push_id, "status": status}
             )
         return result
 
     def close(self) -> None:
-        self._closed = True
+        self._loop_session.close()
         self._session.close()
