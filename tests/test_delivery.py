@@ -855,6 +855,56 @@ def test_a_send_waiting_for_its_apps_thread_steps_aside_when_another_app_arrives
     assert stuck.sends == 1 and results == [SendResult.delivered()]
 
 
+class ObservedSemaphore(threading.BoundedSemaphore):
+    """An app's slots that say when a send has to wait for one."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.waiting = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        if super().acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self.waiting.set()
+        return super().acquire(True, timeout)
+
+
+def test_a_send_that_waited_for_a_stalled_sends_slot_does_not_follow_it(fresh_limits):
+    """The breaker learns a send's stall before its slot is given back: the send that waited
+    for that slot finds the breaker open and never reaches the stuck provider."""
+    stalled = SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+    provider = BlockingProvider(stalled)
+    slot = ObservedSemaphore(1)
+    limits._slots[APP_1] = slot  # the app's one slot, as _semaphore would make it
+    held: list[SendResult] = []
+    waited: list[SendResult] = []
+    settings = {
+        "MAX_IN_FLIGHT_PER_PROVIDER": 1,
+        "IN_FLIGHT_WAIT_SECONDS": 30,
+        "BREAKER_STALLS": 1,
+        "BREAKER_SECONDS": 60,
+    }
+    with relay_settings(**settings):
+        try:
+            holder = hold(provider, APP_1, held)
+            waiter = threading.Thread(
+                target=lambda: waited.extend(limits.send_group(provider, [WAKEUP], APP_1))
+            )
+            waiter.start()
+            assert slot.waiting.wait(10)
+        finally:
+            provider.release.set()
+        holder.join(10)
+        waiter.join(10)
+    assert held == [stalled]
+    [deferred] = waited
+    assert (deferred.outcome, deferred.error_code) == (Outcome.RETRY_LATER, limits.PROVIDER_STALLED)
+    assert 0 < deferred.retry_after <= 120
+    assert provider.sends == 1
+
+
 def test_a_stalled_provider_opens_its_breaker_and_a_probe_closes_it(fresh_limits):
     stalled = SendResult(Outcome.RETRY_LATER, "TIMEOUT")
     provider = BlockingProvider(stalled)

@@ -161,12 +161,10 @@ def send_group(provider: PushProvider, wakeups: list[Wakeup], target: Target) ->
                 )
         if probe:
             # One wake-up finds out whether the provider answers again; the rest wait for it.
-            results = _send_slotted(provider, wakeups[:1], target)
+            results = _send_slotted(provider, wakeups[:1], target, probe=True)
             results += [SendResult(Outcome.RETRY_LATER, PROVIDER_STALLED)] * (len(wakeups) - 1)
-        else:
-            results = _send_slotted(provider, wakeups, target)
-        _learn(target, results, probe)
-        return results
+            return results
+        return _send_slotted(provider, wakeups, target)
     finally:
         with _freed:
             del _threads[target.app][token]
@@ -319,35 +317,65 @@ def _semaphore(key: Hashable) -> threading.BoundedSemaphore | None:
         return slot
 
 
-def _send_slotted(provider: PushProvider, wakeups: list[Wakeup], key: Hashable) -> list[SendResult]:
-    """A batch through `send_each`, one slot of `key`'s cap per wake-up in flight: it waits
+def _send_slotted(
+    provider: PushProvider, wakeups: list[Wakeup], target: Target, *, probe: bool = False
+) -> list[SendResult]:
+    """A batch through `send_each`, one slot of `target`'s cap per wake-up in flight: it waits
     for a first slot, takes what else is free at once (at most BATCH_SLOTS, so one batch never
     starves the others for long), sends those, and repeats; whatever finds no slot in time is
-    RETRY_LATER (IN_FLIGHT_CAP)."""
-    slot = _semaphore(key)
+    RETRY_LATER (IN_FLIGHT_CAP). The breaker learns each part's results before its slots are
+    given back, and a part that got its slots checks the breaker first: a send that waited for
+    the slot of one that just timed out does not follow it to a stuck provider."""
+    slot = _semaphore(target)
     results: list[SendResult] = []
     while len(results) < len(wakeups):
         remaining = wakeups[len(results) :]
         taken = len(remaining)
         if slot is not None:
             if not slot.acquire(timeout=conf.current().in_flight_wait_seconds):
-                log.warning("delivery.in_flight_cap", extra={"target": str(key)})
+                log.warning("delivery.in_flight_cap", extra={"target": str(target)})
                 results.extend([SendResult(Outcome.RETRY_LATER, IN_FLIGHT_CAP)] * taken)
                 break
             taken = 1
             while taken < min(len(remaining), BATCH_SLOTS) and slot.acquire(blocking=False):
                 taken += 1
+        retry_after = None if probe else _deferred_for(target)
+        if retry_after is not None:
+            _release(slot, taken)
+            stalled = SendResult(Outcome.RETRY_LATER, PROVIDER_STALLED, retry_after)
+            results.extend([stalled] * len(remaining))
+            break
         with _lock:
-            _in_flight[key] = _in_flight.get(key, 0) + taken
+            _in_flight[target] = _in_flight.get(target, 0) + taken
+        part: list[SendResult] = []
         try:
-            results.extend(send_each(provider, remaining[:taken]))
+            part = send_each(provider, remaining[:taken])
         finally:
             with _lock:
-                _in_flight[key] -= taken
-            if slot is not None:
-                for _ in range(taken):
-                    slot.release()
+                _in_flight[target] -= taken
+            _learn(target, part, probe)
+            _release(slot, taken)
+        results.extend(part)
+    if probe and results[0].error_code == IN_FLIGHT_CAP:
+        _learn(target, results, probe)  # the probe found no slot: the next send may probe
     return results
+
+
+def _deferred_for(target: Target) -> float | None:
+    """The Retry-After of a send to `target` while its breaker is open; None if closed."""
+    now = time.monotonic()
+    with _lock:
+        breaker = _breakers.get(target)
+        if breaker is None or breaker.open_until <= now:
+            return None
+        left = breaker.open_until - now
+    return left + random.uniform(0, conf.current().breaker_seconds)
+
+
+def _release(slot: threading.BoundedSemaphore | None, taken: int) -> None:
+    if slot is not None:
+        for _ in range(taken):
+            slot.release()
 
 
 def reset() -> None:
