@@ -900,8 +900,8 @@ def test_a_cluster_node_lost_with_its_disk_loses_no_push(
 def test_the_whole_broker_down_for_20_seconds_loses_no_accepted_push(lab: Lab, path: str) -> None:
     """RabbitMQ stopped for 20 s mid-stream: the gateway answers `wait` (within
     CELERY_CONFIRM_TIMEOUT) for what it cannot queue, and every push answered `result` before,
-    during or after is delivered. On the direct path the gateway queues nothing at this rate:
-    it sends every push itself, and answers `result` throughout."""
+    during or after is delivered. On the direct path the gateway queues next to nothing at
+    this rate: it sends its pushes itself, and answers `result` throughout."""
     more = 40  # published once the broker is back
     tenant = lab.add_tenant("down", PUBLISHES + BURST + more)
     lab.start(**PATHS[path])
@@ -921,6 +921,10 @@ def test_the_whole_broker_down_for_20_seconds_loses_no_accepted_push(lab: Lab, p
     if path == "workers":
         assert result.answered_wait > 0, result.line()  # publishes during the outage
     else:
-        assert result.answered_wait == 0, result.line()
+        # A loaded machine may hold several of the app's publishes in one batch (beyond the
+        # four the gateway sends itself, direct_sends.JOBS_MAX) or its sends in flight long
+        # enough to count as slow: those go to the broker by design, and are answered `wait`
+        # while it is down. The rest, nearly all, the gateway sent itself.
+        assert result.answered_wait <= len(tenant.sent) // 50, result.line()
     answered = tenant.answers()
     assert len(answered) == len(tenant.sent), "a publish went unanswered"
