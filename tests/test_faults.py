@@ -671,8 +671,14 @@ def test_a_stuck_provider_does_not_delay_another_tenant(lab: Lab) -> None:
     bound = 2 * PROVIDER_TIMEOUT
     assert percentile(waits, 0.99) < bound, b.line()
     assert sends[-1] - (started + offered_for) < bound, "tenant B's pushes piled up"
-    # The breaker kept A's pushes away from its provider; each one is a dead letter saying why.
-    assert len(stuck.fcm.requests) < count / 4
+    # The breaker kept A's pushes away from its provider after the first wave: what the worker
+    # holds in flight to one provider (RELAY_MAX_IN_FLIGHT_PER_PROVIDER, 100) and what the
+    # gateway sends itself for one app (half of RELAY_DIRECT_SENDS_IN_FLIGHT's 8 batches of at
+    # most direct_sends.JOBS_MAX), plus a probe per process once a breaker half-opens. On a
+    # quiet machine 44-55 reach it; under make test's load up to 81. Each of A's pushes is a
+    # dead letter saying why.
+    first_wave = 100 + (8 // 2) * 4  # the defaults; JOBS_MAX is 4
+    assert len(stuck.fcm.requests) <= first_wave + 2
     assert sum(a.dead_letters.values()) == a.answered_result, a.line()
     assert any("PROVIDER_STALLED" in reason for reason in a.dead_letters), a.line()
 
