@@ -107,8 +107,8 @@ class PushProvider(Protocol):
         ...
 
     # Optional: `send_many(wakeups) -> list[SendResult]`, one result per wake-up in order,
-    # for providers that send a batch better than `send` in threads (FCM, APNs: on the
-    # provider loop). `send_each` falls back to `send` over a shared thread pool.
+    # for providers that send a batch better than `send` in threads (FCM, APNs, Web Push:
+    # on the provider loop). `send_each` falls back to `send` over a shared thread pool.
 
 
 def send_one(provider: PushProvider, wakeup: Wakeup) -> SendResult:
