@@ -78,4 +78,9 @@ def _tallies_written_per_batch(settings):
     settings.RELAY = {**settings.RELAY, "TALLY_FLUSH_SECONDS": 0}
 
 
-pytest_plugins = ["tests.support.fixtures", "tests.support.shards", "tests.support.traces"]
+pytest_plugins = [
+    "tests.support.fixtures",
+    "tests.support.shards",
+    "tests.support.traces",
+    "tests.support.fault_lab",
+]

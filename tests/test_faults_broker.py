@@ -7,7 +7,7 @@
   relay's dead letters with its push id, replayable;
 - a message in the dead-letter queue that is not a send stays there for an operator.
 
-The worker processes are in test_faults.py and test_worker_kill.py.
+The worker processes are in test_faults_workers.py and test_worker_kill.py.
 """
 
 from __future__ import annotations

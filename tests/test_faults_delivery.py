@@ -7,7 +7,7 @@
 - the database lost while the sends are in flight: RecordPending carries what they taught,
   which is written once the database is back, once however often it is written.
 
-PostgreSQL only (SQLite has no server to lose); the worker processes are in test_faults.py.
+PostgreSQL only (SQLite has no server to lose); the worker processes are in test_faults*.py.
 """
 
 from __future__ import annotations

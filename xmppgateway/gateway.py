@@ -233,7 +233,7 @@ class PublishBatcher:
       gather and go out as the next batch the moment one ends. A publish at an everyday rate
       waits for nothing and the batches grow with the load. Sends reach the workers sooner
       and one by one, so a stuck provider sees more requests before its breakers open than
-      with a timer (tests/test_faults.py bounds how many);
+      with a timer (tests/test_faults_workers.py bounds how many);
     - a timer (`window` > 0): the publishes that arrive within `window` seconds of the first
       go out together, whatever else runs (`concurrency` 0: no limit).
 

@@ -15,7 +15,7 @@ APNS_TOPIC = "org.example.relay"
 
 def configure(app: Any, service: str, **values: Any) -> None:
     """Store the app's credentials record for `service` (what the admin and YAML write)."""
-    # Imported here: tests/test_faults.py's helper process imports this module before
+    # Imported here: tests/support/fault_lab.py's helper process imports this module before
     # django.setup(), and the records import the models.
     from relay.services.credentials import records
 
