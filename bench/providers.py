@@ -247,6 +247,7 @@ def client_for(service: str, fakes: Fakes) -> Any:
     from relay.providers.apns import ApnsConfig, ApnsProvider
     from relay.providers.fcm import FcmConfig, FcmProvider
     from relay.providers.webpush import WebPushConfig, WebPushProvider, new_private_key
+    from relay.providers.wns import WnsConfig, WnsProvider
 
     if service == "fcm":
         return FcmProvider(FcmConfig.parse(fakes.sa_path.read_text(), fakes.fcm_url))
@@ -267,6 +268,16 @@ def client_for(service: str, fakes: Fakes) -> Any:
                 private_key=new_private_key(),
                 subject="mailto:bench@example.org",
                 endpoint_hosts=(fakes.webpush["host_pattern"],),
+            )
+        )
+    if service == "wns":
+        info = fakes.wns
+        return WnsProvider(
+            WnsConfig(
+                package_sid=info["client_id"],
+                secret=info["client_secret"],
+                token_url=info["token_url"],
+                channel_hosts=(info["host_pattern"],),
             )
         )
     raise ValueError(f"no client benchmark for {service}")
@@ -497,7 +508,6 @@ def main() -> None:
             results["client"] = {
                 service: bench_client(service, fakes, args)
                 for service in args.providers.split(",")
-                if service != "wns"
             }
         if args.mode in ("mixed", "all"):
             results["mixed"] = bench_mixed(component, fakes, args)

@@ -83,6 +83,15 @@ def provider(make_provider) -> WnsProvider:
     return make_provider()
 
 
+@pytest.fixture(params=["lone", "batch"])
+def send(request):
+    """A wake-up sent alone (httpx, in this thread) or as a batch (aiohttp, on the provider
+    loop): the same request on the wire, the same classification, the same token handling."""
+    if request.param == "lone":
+        return lambda provider, w: provider.send(w)
+    return lambda provider, w: provider.send_many([w])[0]
+
+
 def wakeup(fake: FakeWns, channel: str = "c1", **fields: object) -> Wakeup:
     values: dict = {"push_id": "push-1", "token": fake.channel_uri(channel), "account": ACCOUNT}
     values.update(fields)
@@ -98,9 +107,9 @@ def closed_port() -> int:
 # --- Wire format ------------------------------------------------------------------------------
 
 
-def test_important_wakeup_has_exact_headers_and_body(fake, provider):
-    result = provider.send(
-        wakeup(fake, important=True, message_count=3, pending_subscription_count=1)
+def test_important_wakeup_has_exact_headers_and_body(fake, provider, send):
+    result = send(
+        provider, wakeup(fake, important=True, message_count=3, pending_subscription_count=1)
     )
 
     assert result == SendResult(Outcome.DELIVERED)
@@ -127,8 +136,8 @@ def test_important_wakeup_has_exact_headers_and_body(fake, provider):
     ]
 
 
-def test_silent_wakeup_is_low_priority_uncached_with_zero_counts(fake, provider):
-    assert provider.send(wakeup(fake)).outcome == Outcome.DELIVERED
+def test_silent_wakeup_is_low_priority_uncached_with_zero_counts(fake, provider, send):
+    assert send(provider, wakeup(fake)).outcome == Outcome.DELIVERED
 
     [request] = fake.requests
     assert request.headers["x-wns-priority"] == "3"
@@ -142,53 +151,53 @@ def test_silent_wakeup_is_low_priority_uncached_with_zero_counts(fake, provider)
     }
 
 
-def test_redirects_are_not_followed(fake, provider):
+def test_redirects_are_not_followed(fake, provider, send):
     fake.queue_replies("c1", FakeReply(302, None, {"Location": fake.channel_uri("elsewhere")}))
 
-    assert provider.send(wakeup(fake)) == SendResult(Outcome.FAILED, "HTTP_302")
+    assert send(provider, wakeup(fake)) == SendResult(Outcome.FAILED, "HTTP_302")
     assert len(fake.requests) == 1
 
 
 # --- Tokens -----------------------------------------------------------------------------------
 
 
-def test_token_is_fetched_once_and_reused(fake, provider):
+def test_token_is_fetched_once_and_reused(fake, provider, send):
     for n in range(5):
-        assert provider.send(wakeup(fake, f"c{n}")).outcome == Outcome.DELIVERED
+        assert send(provider, wakeup(fake, f"c{n}")).outcome == Outcome.DELIVERED
 
     assert fake.token_requests == 1
     assert len({r.headers["authorization"] for r in fake.requests}) == 1
 
 
-def test_token_is_refreshed_before_it_expires(fake, make_provider, clock):
+def test_token_is_refreshed_before_it_expires(fake, make_provider, clock, send):
     fake.token_lifetime = 600  # refreshed 60 s early: a tenth of the lifetime
     provider = make_provider()
-    provider.send(wakeup(fake))
+    send(provider, wakeup(fake))
     clock.now += 539
-    provider.send(wakeup(fake))
+    send(provider, wakeup(fake))
     assert fake.token_requests == 1
 
     clock.now += 2
-    assert provider.send(wakeup(fake)).outcome == Outcome.DELIVERED
+    assert send(provider, wakeup(fake)).outcome == Outcome.DELIVERED
     assert fake.token_requests == 2
     assert [r.status for r in fake.requests] == [200, 200, 200]
 
 
-def test_rejected_token_is_refreshed_once_and_the_send_retried(fake, provider):
-    provider.send(wakeup(fake))
+def test_rejected_token_is_refreshed_once_and_the_send_retried(fake, provider, send):
+    send(provider, wakeup(fake))
     fake.revoke_tokens()
 
-    assert provider.send(wakeup(fake)) == SendResult(Outcome.DELIVERED)
+    assert send(provider, wakeup(fake)) == SendResult(Outcome.DELIVERED)
     assert fake.token_requests == 2
     assert [r.status for r in fake.requests] == [200, 401, 200]
     first, second = fake.token_forms
     assert first == second
 
 
-def test_persistent_401_fails_after_exactly_two_posts(fake, provider):
+def test_persistent_401_fails_after_exactly_two_posts(fake, provider, send):
     fake.set_default_reply("c1", FakeReply(401, None))
 
-    assert provider.send(wakeup(fake)) == SendResult(Outcome.FAILED, "HTTP_401")
+    assert send(provider, wakeup(fake)) == SendResult(Outcome.FAILED, "HTTP_401")
     assert len(fake.requests) == 2
     assert fake.token_requests == 2
     first, second = (r.headers["authorization"] for r in fake.requests)
@@ -240,10 +249,10 @@ def test_concurrent_401s_share_one_refresh(fake, provider):
 # --- Token endpoint failures ------------------------------------------------------------------
 
 
-def test_wrong_credentials_fail_with_auth_and_send_nothing(fake, make_provider):
+def test_wrong_credentials_fail_with_auth_and_send_nothing(fake, make_provider, send):
     provider = make_provider(secret="not-the-secret")
 
-    assert provider.send(wakeup(fake)) == SendResult(Outcome.FAILED, "AUTH")
+    assert send(provider, wakeup(fake)) == SendResult(Outcome.FAILED, "AUTH")
     assert fake.requests == []
 
 
@@ -256,34 +265,36 @@ def test_wrong_credentials_fail_with_auth_and_send_nothing(fake, make_provider):
         (401, {}, SendResult(Outcome.FAILED, "AUTH")),
     ],
 )
-def test_token_endpoint_errors(fake, provider, status, headers, expected):
+def test_token_endpoint_errors(fake, provider, status, headers, expected, send):
     fake.fail_token_requests(status, {"error": "server_error"}, headers=headers)
 
-    assert provider.send(wakeup(fake)) == expected
+    assert send(provider, wakeup(fake)) == expected
     assert fake.requests == []
 
 
-def test_unusable_token_answer_is_temporary(fake, provider):
+def test_unusable_token_answer_is_temporary(fake, provider, send):
     fake.fail_token_requests(200, {"token_type": "bearer"})
 
-    assert provider.send(wakeup(fake)) == SendResult(Outcome.RETRY_LATER, "AUTH_BAD_RESPONSE")
+    assert send(provider, wakeup(fake)) == SendResult(Outcome.RETRY_LATER, "AUTH_BAD_RESPONSE")
 
 
-def test_unreachable_token_endpoint_is_temporary(fake, make_provider):
+def test_unreachable_token_endpoint_is_temporary(fake, make_provider, send):
     provider = make_provider(token_url=f"http://127.0.0.1:{closed_port()}/accesstoken.srf")
 
-    assert provider.send(wakeup(fake)) == SendResult(Outcome.RETRY_LATER, "AUTH_NETWORK")
+    assert send(provider, wakeup(fake)) == SendResult(Outcome.RETRY_LATER, "AUTH_NETWORK")
 
 
-def test_token_failure_is_held_briefly_instead_of_hammering_the_endpoint(fake, provider, clock):
+def test_token_failure_is_held_briefly_instead_of_hammering_the_endpoint(
+    fake, provider, clock, send
+):
     fake.fail_token_requests(503)
 
-    first = provider.send(wakeup(fake))
-    assert provider.send(wakeup(fake)) == first == SendResult(Outcome.RETRY_LATER, "AUTH_HTTP_503")
+    first = send(provider, wakeup(fake))
+    assert send(provider, wakeup(fake)) == first == SendResult(Outcome.RETRY_LATER, "AUTH_HTTP_503")
     assert fake.token_requests == 1
 
     clock.now += 6
-    assert provider.send(wakeup(fake)).outcome == Outcome.DELIVERED
+    assert send(provider, wakeup(fake)).outcome == Outcome.DELIVERED
     assert fake.token_requests == 2
 
 
@@ -324,18 +335,79 @@ def test_token_failure_is_held_briefly_instead_of_hammering_the_endpoint(fake, p
     ],
     ids=lambda value: getattr(value, "status", None) or getattr(value, "error_code", None),
 )
-def test_channel_answers_are_classified(fake, provider, reply, expected):
+def test_channel_answers_are_classified(fake, provider, reply, expected, send):
     fake.queue_replies("c1", reply)
 
-    assert provider.send(wakeup(fake)) == expected
+    assert send(provider, wakeup(fake)) == expected
     assert len(fake.requests) == 1  # only a 401 is ever retried inside the provider
 
 
-def test_retry_after_as_http_date_is_honoured(fake, provider):
+def test_a_batch_is_classified_as_its_sends_one_by_one(fake, make_provider):
+    provider = make_provider(channel_hosts=(fake.host_pattern, "*.notify.windows.com"))
+    elsewhere = wakeup(fake, token="https://evil.example.org/channel/x")
+    for channel, reply in [("gone", FakeReply(410, None)), ("busy", FakeReply(429, None))]:
+        fake.set_default_reply(channel, reply)
+    batch = [wakeup(fake, "gone"), elsewhere, wakeup(fake, "busy"), wakeup(fake, "fine")]
+
+    one_by_one = [provider.send(w) for w in batch]
+    together = provider.send_many(batch)
+
+    assert (
+        together
+        == one_by_one
+        == [
+            SendResult(Outcome.DEAD_TOKEN, "HTTP_410"),
+            SendResult(Outcome.FAILED, "CHANNEL_HOST_NOT_ALLOWED"),
+            SendResult(Outcome.RETRY_LATER, "THROTTLED"),
+            SendResult(Outcome.DELIVERED),
+        ]
+    )
+    channels = sorted(request.channel_id for request in fake.requests)
+    assert channels == ["busy", "busy", "fine", "fine", "gone", "gone"]  # each way once
+
+
+def test_a_batch_is_sent_side_by_side(fake, make_provider):
+    provider = make_provider(timeout=5.0)
+    channels = [f"c{n}" for n in range(4)]
+    for channel in channels:
+        fake.queue_replies(channel, FakeReply(200, "received", delay=1.0))
+
+    results = provider.send_many([wakeup(fake, channel) for channel in channels])
+
+    assert results == [SendResult(Outcome.DELIVERED)] * 4
+    arrived = [request.received_at for request in fake.requests]
+    assert len(arrived) == 4
+    # Recorded as each is answered, 1 s after it arrived: one after the other would be 1 s apart.
+    assert max(arrived) - min(arrived) < 1.0
+
+
+def test_a_batchs_401s_share_one_refresh_and_are_sent_once_more(fake, provider):
+    provider.send(wakeup(fake))
+    fake.revoke_tokens()
+
+    results = provider.send_many([wakeup(fake, f"c{n}") for n in range(3)])
+
+    assert results == [SendResult(Outcome.DELIVERED)] * 3
+    assert fake.token_requests == 2
+    assert sorted(r.status for r in fake.requests) == [200] * 4 + [401] * 3
+
+
+def test_a_batchs_persistent_401s_fail_after_exactly_two_posts_each(fake, provider):
+    for channel in ("c1", "c2"):
+        fake.set_default_reply(channel, FakeReply(401, None))
+
+    results = provider.send_many([wakeup(fake, "c1"), wakeup(fake, "c2")])
+
+    assert results == [SendResult(Outcome.FAILED, "HTTP_401")] * 2
+    assert len(fake.requests) == 4
+    assert fake.token_requests == 2
+
+
+def test_retry_after_as_http_date_is_honoured(fake, provider, send):
     when = datetime.now(UTC) + timedelta(seconds=60)
     fake.queue_replies("c1", FakeReply(429, None, {"Retry-After": format_datetime(when, True)}))
 
-    result = provider.send(wakeup(fake))
+    result = send(provider, wakeup(fake))
 
     assert (result.outcome, result.error_code) == (Outcome.RETRY_LATER, "THROTTLED")
     assert result.retry_after is not None and 50 < result.retry_after <= 60
@@ -350,32 +422,32 @@ def test_parse_retry_after(header, seconds):
     assert parse_retry_after(header) == seconds
 
 
-def test_channel_timeout_is_temporary(fake, make_provider):
+def test_channel_timeout_is_temporary(fake, make_provider, send):
     provider = make_provider(timeout=0.3)
     fake.queue_replies("c1", FakeReply(200, "received", delay=1.0))
 
-    assert provider.send(wakeup(fake)) == SendResult(Outcome.RETRY_LATER, "TIMEOUT")
+    assert send(provider, wakeup(fake)) == SendResult(Outcome.RETRY_LATER, "TIMEOUT")
 
 
-def test_unreachable_channel_is_temporary(fake, make_provider):
+def test_unreachable_channel_is_temporary(fake, make_provider, send):
     provider = make_provider(channel_hosts=("127.0.0.1:*",))
     gone = wakeup(fake, token=f"http://127.0.0.1:{closed_port()}/channel/c1")
 
-    assert provider.send(gone) == SendResult(Outcome.RETRY_LATER, "NETWORK")
+    assert send(provider, gone) == SendResult(Outcome.RETRY_LATER, "NETWORK")
 
 
-def test_channel_host_not_allowed_sends_nothing(fake, make_provider):
+def test_channel_host_not_allowed_sends_nothing(fake, make_provider, send):
     provider = make_provider(channel_hosts=("*.notify.windows.com",))
 
-    assert provider.send(wakeup(fake)) == SendResult(Outcome.FAILED, "CHANNEL_HOST_NOT_ALLOWED")
+    assert send(provider, wakeup(fake)) == SendResult(Outcome.FAILED, "CHANNEL_HOST_NOT_ALLOWED")
     assert fake.token_requests == 0
     assert fake.requests == []
 
 
-def test_send_after_close_is_temporary_not_an_exception(fake, provider):
+def test_send_after_close_is_temporary_not_an_exception(fake, provider, send):
     provider.close()
 
-    assert provider.send(wakeup(fake)) == SendResult(Outcome.RETRY_LATER, "CLOSED")
+    assert send(provider, wakeup(fake)) == SendResult(Outcome.RETRY_LATER, "CLOSED")
 
 
 def test_timeout_defaults_to_the_setting(fake):
@@ -392,16 +464,16 @@ def test_timeout_defaults_to_the_setting(fake):
 # --- Secrets stay out of logs and results -----------------------------------------------------
 
 
-def test_no_channel_uri_secret_or_token_in_logs_or_results(fake, provider, caplog):
+def test_no_channel_uri_secret_or_token_in_logs_or_results(fake, provider, caplog, send):
     caplog.set_level(logging.DEBUG)
     fake.queue_replies("c1", FakeReply(200), FakeReply(403, None), FakeReply(410, None))
-    results = [provider.send(wakeup(fake)) for _ in range(3)]
+    results = [send(provider, wakeup(fake)) for _ in range(3)]
     fake.revoke_tokens()
-    results.append(provider.send(wakeup(fake)))
+    results.append(send(provider, wakeup(fake)))
     wrong = WnsConfig(fake.client_id, "wrong-secret", fake.token_url, (fake.host_pattern,))
     refused = WnsProvider(wrong, timeout=2)
     try:
-        results.append(refused.send(wakeup(fake)))
+        results.append(send(refused, wakeup(fake)))
     finally:
         refused.close()
 
@@ -460,13 +532,13 @@ def test_invalid_config_is_refused_clearly(fields, message):
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
-def test_loopback_token_url_is_allowed_over_http(make_provider, fake, host):
+def test_loopback_token_url_is_allowed_over_http(make_provider, fake, host, send):
     """Plain http for the token only on loopback (a local fake or proxy): the provider takes
     its token there and delivers."""
     token_url = fake.token_url.replace("127.0.0.1", host)
     assert token_url.startswith(f"http://{host}:")
     provider = make_provider(token_url=token_url)
-    assert provider.send(wakeup(fake)).outcome == Outcome.DELIVERED
+    assert send(provider, wakeup(fake)).outcome == Outcome.DELIVERED
     assert len(fake.issued_tokens) == 1
     with pytest.raises(ValueError, match="token URL"):
         WnsConfig(fake.client_id, "x", token_url.replace(host, "relay.example")).validate()
@@ -563,6 +635,10 @@ def test_non_string_channel_uri_is_refused():
         (("localhost",), "http://localhost/c", True),
         (("localhost",), "http://localhost:8080/c", False),
         (("[::1]:*",), "http://[::1]:9/c", True),
+        # urllib and httpx read ::ffff:1.2.3.4, aiohttp's yarl ::ffff:102:304: refused, since
+        # a batch would connect by yarl's reading and a lone send by httpx's.
+        (("[::ffff:1.2.3.4]:*",), "https://[::ffff:1.2.3.4]/c", False),
+        (("[::ffff:102:304]:*",), "https://[::ffff:102:304]/c", True),
         (("wns.example.net",), "https://wns.example.net/c", True),
         (("wns.example.net",), "http://wns.example.net/c", False),
         (("wns.example.net",), "https://a.wns.example.net/c", False),

@@ -107,8 +107,8 @@ class PushProvider(Protocol):
         ...
 
     # Optional: `send_many(wakeups) -> list[SendResult]`, one result per wake-up in order,
-    # for providers that send a batch better than `send` in threads (FCM, APNs, Web Push:
-    # on the provider loop). `send_each` falls back to `send` over a shared thread pool.
+    # for providers that send a batch better than `send` in threads (FCM, APNs, Web Push,
+    # WNS: on the provider loop). `send_each` falls back to `send` over a shared thread pool.
 
 
 def send_one(provider: PushProvider, wakeup: Wakeup) -> SendResult:
@@ -177,7 +177,7 @@ BATCH_REQUESTS_IN_FLIGHT = 64
 
 class LoopThread:
     """An asyncio loop running forever in a daemon thread of this process, shared by the
-    providers whose clients are asynchronous (APNs' aioapns, FCM's aiohttp): their callers
+    providers' batches (APNs' aioapns; FCM's, Web Push's and WNS's aiohttp): their callers
     (worker and gateway threads) are synchronous, and one loop serves every send of the
     process, where a thread per send would be switched to and from for each."""
 

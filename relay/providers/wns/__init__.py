@@ -4,6 +4,8 @@ Why our own: the known libraries fetch a new OAuth token per send and follow red
 bearer token attached. This client keeps one token per app (single-flight across threads),
 refreshes it once on a 401, never follows redirects, and only ever sends to channel URIs whose
 host is on the allow-list, so a registered "channel URI" cannot point our token somewhere else.
+A lone wake-up goes over httpx in the caller's thread; a batch's (`send_many`) side by side over
+aiohttp on the process's provider loop, the token still fetched in the caller's thread.
 
 Classification of WNS's answer (see `_classify`):
 
@@ -46,6 +48,8 @@ client secret and the access token.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import ipaddress
 import json
 import logging
@@ -53,17 +57,21 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import ClassVar
 from urllib.parse import urlsplit
 
+import aiohttp
 import httpx
+import yarl
 
 from relay.providers.base import (
     DEFAULT_TIMEOUT_SECONDS,
+    LoopSession,
     Outcome,
+    ProviderClosed,
     SendResult,
     Wakeup,
     parse_retry_after,
@@ -179,8 +187,8 @@ def channel_uri_allowed(uri: str, hosts: Sequence[str]) -> bool:
 
     `hosts` holds patterns: "*.notify.windows.com" (subdomains only), exact hosts, optionally with
     ":port" or ":*". Plain http is accepted only for loopback patterns (test fakes). Userinfo,
-    fragments, whitespace, non-ASCII and anything urllib and httpx would read differently are
-    refused. Never raises; invalid patterns match nothing.
+    fragments, whitespace, non-ASCII and anything urllib, httpx and yarl (aiohttp's) would read
+    differently are refused. Never raises; invalid patterns match nothing.
     """
     if not isinstance(uri, str) or not _URI_CHARS.fullmatch(uri) or "#" in uri:
         return False
@@ -188,17 +196,24 @@ def channel_uri_allowed(uri: str, hosts: Sequence[str]) -> bool:
         parts = urlsplit(uri)
         scheme, host, port = parts.scheme.lower(), parts.hostname, parts.port
         url = httpx.URL(uri)
-    except (ValueError, httpx.InvalidURL):
+        batch_url = yarl.URL(uri)
+    except (ValueError, TypeError, httpx.InvalidURL):
         return False
     if scheme not in _DEFAULT_PORTS or not host or "@" in parts.netloc:
         return False
     port = port if port is not None else _DEFAULT_PORTS[scheme]
-    # Both parsers must agree on where this goes: httpx is what actually connects.
+    # Every parser must agree on where this goes: httpx connects for a lone send, aiohttp
+    # (yarl) for a batch.
     if (
         url.scheme != scheme
         or url.raw_host.decode("ascii", "replace").lower() != host
         or (url.port if url.port is not None else _DEFAULT_PORTS[scheme]) != port
         or url.userinfo
+        or batch_url.scheme != scheme
+        or (batch_url.raw_host or "").lower() != host
+        or batch_url.port != port
+        or batch_url.raw_user is not None
+        or batch_url.raw_password is not None
     ):
         return False
     for raw in hosts:
@@ -278,17 +293,16 @@ def _ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context(trust_env=False)
 
 
-def _wns_status(response: httpx.Response) -> str:
-    raw = response.headers.get("X-WNS-Status") or response.headers.get("X-WNS-NotificationStatus")
+def _wns_status(headers: Mapping[str, str]) -> str:
+    raw = headers.get("X-WNS-Status") or headers.get("X-WNS-NotificationStatus")
     return (raw or "").strip().lower()
 
 
-def _classify(response: httpx.Response) -> SendResult:
+def _classify(code: int, headers: Mapping[str, str]) -> SendResult:
     """Map one channel answer to an outcome (table in the module docstring)."""
-    code = response.status_code
-    retry_after = parse_retry_after(response.headers.get("Retry-After"))
+    retry_after = parse_retry_after(headers.get("Retry-After"))
     if code == 200:
-        status = _wns_status(response)
+        status = _wns_status(headers)
         if status == "channelthrottled":
             return SendResult(Outcome.RETRY_LATER, "THROTTLED", retry_after)
         if status == "dropped":
@@ -301,6 +315,60 @@ def _classify(response: httpx.Response) -> SendResult:
     if code >= 500:
         return SendResult(Outcome.RETRY_LATER, f"HTTP_{code}", retry_after)
     return SendResult(Outcome.FAILED, f"HTTP_{code}")
+
+
+def _logged(
+    wakeup: Wakeup,
+    result: SendResult,
+    status: int | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> SendResult:
+    logger.debug(
+        "wns: push %s -> %s %s (HTTP %s, msg id %s)",
+        wakeup.push_id,
+        result.outcome,
+        result.error_code or "-",
+        status if status is not None else "-",
+        headers.get("X-WNS-Msg-ID", "-") if headers is not None else "-",
+    )
+    return result
+
+
+def _answered(wakeup: Wakeup, status: int, headers: Mapping[str, str]) -> SendResult:
+    """The channel's answer classified (and logged without the channel URI)."""
+    result = _classify(status, headers)
+    if result.outcome == Outcome.FAILED:
+        # WNS's own diagnostics; they describe the request, not the device.
+        logger.warning(
+            "wns: push %s failed with HTTP %s (%s)",
+            wakeup.push_id,
+            status,
+            headers.get("X-WNS-Error-Description", "no description")[:120],
+        )
+    return _logged(wakeup, result, status, headers)
+
+
+def _failed_request(wakeup: Wakeup, exc: Exception) -> SendResult:
+    """A request that got no answer: why, as an outcome."""
+    if isinstance(exc, httpx.TimeoutException):
+        return _logged(wakeup, SendResult(Outcome.RETRY_LATER, "TIMEOUT"))
+    if isinstance(exc, httpx.TransportError):
+        logger.info("wns: push %s: %s", wakeup.push_id, type(exc).__name__)
+        return _logged(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
+    if isinstance(exc, RuntimeError):
+        # close() raced a send (credentials changed): the next attempt uses the new client.
+        return _logged(wakeup, SendResult(Outcome.RETRY_LATER, "CLOSED"))
+    logger.warning("wns: push %s not sent: %s", wakeup.push_id, type(exc).__name__)
+    return SendResult(Outcome.FAILED, "CLIENT_ERROR")
+
+
+# A batch's 401, to be sent again with a refreshed token (compared by identity).
+_REFUSED = SendResult(Outcome.FAILED, "HTTP_401")
+
+
+def _not_allowed(wakeup: Wakeup) -> SendResult:
+    logger.warning("wns: channel host not allowed, push %s not sent", wakeup.push_id)
+    return SendResult(Outcome.FAILED, "CHANNEL_HOST_NOT_ALLOWED")
 
 
 def build_body(wakeup: Wakeup, payload: WnsPayload | None = None) -> dict[str, object]:
@@ -344,6 +412,18 @@ class WnsProvider:
         self._client = client or httpx.Client(
             timeout=timeout, follow_redirects=False, trust_env=False, verify=_ssl_context()
         )
+        # A batch's requests (`send_many`) go side by side over aiohttp on the process's
+        # provider loop (httpx's asynchronous pool polls every connection's socket for each
+        # request: it cost four times the CPU per send); `channel_uri_allowed` checks that
+        # aiohttp's URL parser (yarl) reads a channel URI as the others do.
+        self._loop_session = LoopSession(
+            timeout=aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout),
+            build_timeout=timeout,
+            tls=_ssl_context,
+        )
+        # What a batch may take at most (each request waiting for a connection, then its own
+        # timeout, twice with a 401): only a wedged loop reaches it.
+        self._batch_seconds = 4 * timeout + 5.0
         self._token: _Token | None = None
         self._auth_failure: tuple[SendResult, float] | None = None
         self._token_lock = threading.Lock()
@@ -352,8 +432,7 @@ class WnsProvider:
     def send(self, wakeup: Wakeup) -> SendResult:
         """POST one raw wake-up; on a 401 refresh the token and try exactly once more."""
         if not channel_uri_allowed(wakeup.token, self._config.channel_hosts):
-            logger.warning("wns: channel host not allowed, push %s not sent", wakeup.push_id)
-            return SendResult(Outcome.FAILED, "CHANNEL_HOST_NOT_ALLOWED")
+            return _not_allowed(wakeup)
         try:
             token = self._access_token()
             response = self._post(wakeup, token)
@@ -363,52 +442,100 @@ class WnsProvider:
                 response = self._post(wakeup, token)
         except _AuthError as exc:
             return exc.result
-        except httpx.TimeoutException:
-            return self._log(wakeup, SendResult(Outcome.RETRY_LATER, "TIMEOUT"))
-        except httpx.TransportError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, RuntimeError) as exc:
+            return _failed_request(wakeup, exc)
+        return _answered(wakeup, response.status_code, response.headers)
+
+    def send_many(self, wakeups: list[Wakeup]) -> list[SendResult]:
+        """The batch's requests side by side on the provider loop, one result per wake-up; the
+        ones a 401 refused are sent once more with a refreshed token, as `send` does."""
+        if self._loop_session.closed:
+            # The app's credentials changed under an in-flight task: the retry uses the new ones.
+            return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
+        results: list[SendResult | None] = [None] * len(wakeups)
+        pending: list[int] = []
+        for index, wakeup in enumerate(wakeups):
+            if channel_uri_allowed(wakeup.token, self._config.channel_hosts):
+                pending.append(index)
+            else:
+                results[index] = _not_allowed(wakeup)
+        token: str | None = None
+        for final in (False, True):
+            if not pending:
+                break
+            try:
+                token = self._access_token(stale=token)
+            except (_AuthError, RuntimeError) as exc:  # RuntimeError: closed under the fetch
+                failure = (
+                    exc.result
+                    if isinstance(exc, _AuthError)
+                    else SendResult(Outcome.RETRY_LATER, "CLOSED")
+                )
+                for index in pending:
+                    results[index] = failure
+                break
+            answers = self._post_batch([wakeups[index] for index in pending], token, final)
+            refused = [i for i, answer in zip(pending, answers, strict=True) if answer is _REFUSED]
+            for index, answer in zip(pending, answers, strict=True):
+                results[index] = answer
+            if refused:
+                logger.info("wns: 401 for %d pushes, refreshing the token once", len(refused))
+            pending = refused
+        return [result or SendResult(Outcome.RETRY_LATER, "INTERNAL") for result in results]
+
+    def _post_batch(self, wakeups: list[Wakeup], token: str, final: bool) -> list[SendResult]:
+        """Each wake-up's result; _REFUSED for a 401 to try again (unless `final`)."""
+        try:
+            runner, session = self._loop_session.here()
+        except ProviderClosed:
+            return [SendResult(Outcome.RETRY_LATER, "CLOSED")] * len(wakeups)
+        except (OSError, concurrent.futures.TimeoutError) as error:
+            logger.warning("wns.client_not_built", extra={"error_type": type(error).__name__})
+            return [SendResult(Outcome.RETRY_LATER, "NETWORK")] * len(wakeups)
+        return runner.send_batch(
+            self._post_all(session, wakeups, token, final), len(wakeups), self._batch_seconds
+        )
+
+    async def _post_all(
+        self, session: aiohttp.ClientSession, wakeups: list[Wakeup], token: str, final: bool
+    ) -> list[SendResult]:
+        posts = (self._apost(session, wakeup, token, final) for wakeup in wakeups)
+        return list(await asyncio.gather(*posts))
+
+    async def _apost(
+        self, session: aiohttp.ClientSession, wakeup: Wakeup, token: str, final: bool
+    ) -> SendResult:
+        content, headers = self._request(wakeup, token)
+        try:
+            async with session.post(
+                wakeup.token, data=content, headers=headers, allow_redirects=False
+            ) as response:
+                await response.read()
+                status, answer = response.status, response.headers
+        except TimeoutError:  # aiohttp's connect and read timeouts are TimeoutErrors
+            return _logged(wakeup, SendResult(Outcome.RETRY_LATER, "TIMEOUT"))
+        except (aiohttp.ClientError, OSError) as exc:  # refused, reset, dropped
             logger.info("wns: push %s: %s", wakeup.push_id, type(exc).__name__)
-            return self._log(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            logger.warning("wns: push %s not sent: %s", wakeup.push_id, type(exc).__name__)
-            return SendResult(Outcome.FAILED, "CLIENT_ERROR")
-        except RuntimeError:
-            # close() raced a send (credentials changed): the next attempt uses the new client.
-            return self._log(wakeup, SendResult(Outcome.RETRY_LATER, "CLOSED"))
-        result = _classify(response)
-        if result.outcome == Outcome.FAILED:
-            # WNS's own diagnostics; they describe the request, not the device.
-            logger.warning(
-                "wns: push %s failed with HTTP %s (%s)",
-                wakeup.push_id,
-                response.status_code,
-                response.headers.get("X-WNS-Error-Description", "no description")[:120],
-            )
-        return self._log(wakeup, result, response)
+            return _logged(wakeup, SendResult(Outcome.RETRY_LATER, "NETWORK"))
+        except Exception as exc:  # one crash must not cost the batch its other results
+            logger.exception("wns.send_crashed", extra={"error_type": type(exc).__name__})
+            return SendResult(Outcome.RETRY_LATER, "INTERNAL")
+        if status == 401 and not final:
+            return _REFUSED
+        return _answered(wakeup, status, answer)
 
     def close(self) -> None:
         """Drop the token and, if we made it, the connection pool."""
         with self._token_lock:
             self._token = None
+        self._loop_session.close()
         if self._owns_client:
             self._client.close()
 
     # -- internals --
 
-    @staticmethod
-    def _log(
-        wakeup: Wakeup, result: SendResult, response: httpx.Response | None = None
-    ) -> SendResult:
-        logger.debug(
-            "wns: push %s -> %s %s (HTTP %s, msg id %s)",
-            wakeup.push_id,
-            result.outcome,
-            result.error_code or "-",
-            response.status_code if response is not None else "-",
-            response.headers.get("X-WNS-Msg-ID", "-") if response is not None else "-",
-        )
-        return result
-
-    def _post(self, wakeup: Wakeup, token: str) -> httpx.Response:
+    def _request(self, wakeup: Wakeup, token: str) -> tuple[bytes, dict[str, str]]:
+        """The raw notification's body and headers."""
         body = build_body(wakeup, self._payload)
         headers = {
             "Authorization": f"Bearer {token}",
@@ -418,11 +545,12 @@ class WnsProvider:
             "X-WNS-Priority": "1" if wakeup.important else "3",
             "X-WNS-Cache-Policy": "cache" if wakeup.important else "no-cache",
         }
+        return json.dumps(body, separators=(",", ":")).encode(), headers
+
+    def _post(self, wakeup: Wakeup, token: str) -> httpx.Response:
+        content, headers = self._request(wakeup, token)
         return self._client.post(
-            wakeup.token,
-            content=json.dumps(body, separators=(",", ":")).encode(),
-            headers=headers,
-            follow_redirects=False,
+            wakeup.token, content=content, headers=headers, follow_redirects=False
         )
 
     def _access_token(self, stale: str | None = None) -> str:
