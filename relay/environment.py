@@ -708,8 +708,8 @@ class Environment(BaseSettings):
     requests_ca_bundle: str = var(
         "REQUESTS_CA_BUNDLE",
         "",
-        "A CA bundle for FCM's HTTPS calls instead of certifi's (a private FCM endpoint); "
-        "the first is read, else the second.",
+        "A CA bundle for FCM's and Web Push's HTTPS calls instead of certifi's (a private "
+        "endpoint, a TLS-inspecting proxy); the first is read, else the second.",
         group=Group.WORKERS,
     )
     curl_ca_bundle: str = var("CURL_CA_BUNDLE", "", "", group=Group.WORKERS)

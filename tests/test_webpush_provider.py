@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import uuid
 
 import pytest
 
 from relay.models import App, Tenant
-from relay.providers.base import Outcome, Wakeup
+from relay.providers.base import Outcome, SendResult, Wakeup
 from relay.providers.registry import spec_for
 from relay.providers.webpush import (
     WebPushConfig,
@@ -399,3 +400,37 @@ tenants:
             document.replace("          private_key_file: vapid.pem\n", ""), base_dir=tmp_path
         )
     assert str(refused.value) == "tenants[0].apps[0].webpush.private_key_file: required"
+
+
+def test_an_https_push_service_is_trusted_through_the_ca_bundle_both_ways(tmp_path, private_key):
+    """A push service over TLS, verified against the operator's CA bundle (REQUESTS_CA_BUNDLE)
+    by a lone send (requests) and a batch (aiohttp) alike: delivered with the bundle of the
+    throw-away CA that signed its certificate, refused (NETWORK, nothing received) with
+    certifi's."""
+    from tests.fakes.apns import CertificateAuthority, _server_certificate
+
+    ca = CertificateAuthority.create("fake push service CA")
+    cert, key = _server_certificate(ca, "127.0.0.1")
+    (tmp_path / "server.pem").write_text(cert + key)
+    (tmp_path / "ca.pem").write_text(ca.pem)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(tmp_path / "server.pem")
+    with FakePushService(tls=server) as fake:
+        config = WebPushConfig(
+            private_key=private_key, subject=SUBJECT, endpoint_hosts=(fake.host_pattern,)
+        )
+        trusted = WebPushProvider(config, timeout=5.0, ca_bundle=str(tmp_path / "ca.pem"))
+        untrusted = WebPushProvider(config, timeout=5.0)
+        try:
+            subs = [fake.subscribe() for _ in range(3)]
+            assert fake.origin.startswith("https://")
+            assert trusted.send(wakeup(subs[0])).outcome == Outcome.DELIVERED
+            together = trusted.send_many([wakeup(sub) for sub in subs[1:]])
+            assert [r.outcome for r in together] == [Outcome.DELIVERED] * 2
+            refused = SendResult(Outcome.RETRY_LATER, "NETWORK")
+            assert untrusted.send(wakeup(subs[0])) == refused
+            assert untrusted.send_many([wakeup(sub) for sub in subs[1:]]) == [refused] * 2
+            assert len(fake.received) == 3
+        finally:
+            trusted.close()
+            untrusted.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+import ssl
 import threading
 import time
 from collections import defaultdict, deque
@@ -128,7 +129,9 @@ def verify_vapid(authorization: str, origin: str) -> tuple[dict[str, Any], str]:
 
 
 class FakePushService:
-    def __init__(self) -> None:
+    def __init__(self, *, tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: served over HTTPS with this server context."""
+        self.tls = tls
         self._lock = threading.Condition()
         self._subscriptions: dict[str, FakeSubscription] = {}
         self._received: list[Received] = []
@@ -148,6 +151,8 @@ class FakePushService:
         server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         server.daemon_threads = True
         server.block_on_close = False
+        if self.tls is not None:  # a failed handshake is dropped at accept, as a refusal
+            server.socket = self.tls.wrap_socket(server.socket, server_side=True)
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
@@ -184,7 +189,7 @@ class FakePushService:
 
     @property
     def origin(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def host_pattern(self) -> str:

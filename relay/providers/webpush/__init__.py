@@ -40,10 +40,12 @@ import ipaddress
 import json
 import logging
 import re
+import ssl
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -258,12 +260,20 @@ def _origin(endpoint: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+@lru_cache(maxsize=8)
+def _tls(bundle: str) -> ssl.SSLContext:
+    """One verifying context per CA bundle for every app's batches: loading it is slow."""
+    return ssl.create_default_context(cafile=bundle)
+
+
 class WebPushProvider:
     """Sends encrypted wake-ups for one app; safe to share between threads."""
 
     service: ClassVar[str] = "webpush"
 
-    def __init__(self, config: WebPushConfig, *, timeout: float | None = None) -> None:
+    def __init__(
+        self, config: WebPushConfig, *, timeout: float | None = None, ca_bundle: str = ""
+    ) -> None:
         config.validate()
         self.config = config
         self.timeout = DEFAULT_TIMEOUT_SECONDS if timeout is None else float(timeout)
@@ -279,9 +289,14 @@ class WebPushProvider:
         )
         self._session.mount("https://", adapter)
         self._session.mount("http://", adapter)
+        # Both ways trust the same authorities: the operator's bundle (REQUESTS_CA_BUNDLE),
+        # else certifi's, as requests does (aiohttp's own default is the system's store).
+        bundle = ca_bundle or requests.certs.where()
+        self._session.verify = bundle
         self._loop_session = LoopSession(
             timeout=aiohttp.ClientTimeout(sock_connect=self.timeout, sock_read=self.timeout),
             build_timeout=self.timeout,
+            tls=lambda: _tls(bundle),
         )
         # What a batch may take at most, every request waiting for a connection, connecting
         # and reading at its timeout: only a wedged loop reaches it.

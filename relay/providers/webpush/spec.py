@@ -82,7 +82,9 @@ def _validate(values: Values) -> dict[str, str]:
 def _build(values: Values, context: BuildContext) -> PushProvider:
     from relay.providers.webpush import WebPushProvider
 
-    return WebPushProvider(_config(values), timeout=context.timeout)
+    # The CA bundle's settings (REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE), as FCM's.
+    ca_bundle = context.setting("requests_ca_bundle") or context.setting("curl_ca_bundle") or ""
+    return WebPushProvider(_config(values), timeout=context.timeout, ca_bundle=str(ca_bundle))
 
 
 def _summary(values: Values) -> list[tuple[str, str]]:
