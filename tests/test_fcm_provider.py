@@ -17,7 +17,6 @@ import os
 import re
 import secrets
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -46,6 +45,7 @@ from tests.fakes.fcm import (
     new_private_key_pem,
     write_service_account,
 )
+from tests.support.tls import loopback_tls
 
 ACCOUNT = hashlib.sha1(b"xiaomia1@jabber.de\x0092afd7a91cdba9a0").hexdigest()
 ROOM = hashlib.sha1(b"room@conference.example\x0092afd7a91cdba9a0").hexdigest()
@@ -701,9 +701,10 @@ def test_no_proxy_is_honoured_and_a_plain_http_endpoint_is_proxied_too(fake, pro
     proxied = FcmProvider(FcmConfig(account, fake.url), timeout=0.3)
     try:
         assert proxied.send(wakeup()) == SendResult(Outcome.RETRY_LATER, "TIMEOUT")
-        assert proxied.send_many([wakeup(), wakeup()]) == [
-            SendResult(Outcome.RETRY_LATER, "TIMEOUT")
-        ] * 2
+        assert (
+            proxied.send_many([wakeup(), wakeup()])
+            == [SendResult(Outcome.RETRY_LATER, "TIMEOUT")] * 2
+        )
     finally:
         proxied.close()
     assert proxy.requests == [f"POST {proxied.send_url} HTTP/1.1"] * 3
@@ -717,19 +718,10 @@ def test_an_https_endpoint_is_trusted_through_the_configured_ca_bundle_only(tmp_
     """FCM over TLS, verified against the provider's CA bundle: a fake FCM whose certificate
     a throw-away CA signed is delivered to with that CA's bundle, and refused (NETWORK,
     nothing sent) with certifi's."""
-    from tests.fakes.apns import CertificateAuthority, _server_certificate
-
-    ca = CertificateAuthority.create("fake FCM CA")
-    cert, key = _server_certificate(ca, "127.0.0.1")
-    (tmp_path / "server.pem").write_text(cert + key)
-    (tmp_path / "ca.pem").write_text(ca.pem)
-    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server.load_cert_chain(tmp_path / "server.pem")
+    server, bundle = loopback_tls(tmp_path, "fake FCM CA")
     with FakeFcm(tls=server) as fake_tls, FakeFcm() as plain:
         trusted = FcmProvider(
-            FcmConfig(fake_tls.service_account(), fake_tls.url),
-            timeout=5,
-            ca_bundle=str(tmp_path / "ca.pem"),
+            FcmConfig(fake_tls.service_account(), fake_tls.url), timeout=5, ca_bundle=str(bundle)
         )
         # Its token from a plain fake: the refusal below is the send's, not the token's.
         untrusted = FcmProvider(FcmConfig(plain.service_account(), fake_tls.url), timeout=5)
@@ -739,9 +731,10 @@ def test_an_https_endpoint_is_trusted_through_the_configured_ca_bundle_only(tmp_
             assert trusted.send(wakeup()) == SendResult.delivered()
             assert trusted.send_many([wakeup(), wakeup()]) == [SendResult.delivered()] * 2
             assert untrusted.send(wakeup()) == SendResult(Outcome.RETRY_LATER, "NETWORK")
-            assert untrusted.send_many([wakeup(), wakeup()]) == [
-                SendResult(Outcome.RETRY_LATER, "NETWORK")
-            ] * 2
+            assert (
+                untrusted.send_many([wakeup(), wakeup()])
+                == [SendResult(Outcome.RETRY_LATER, "NETWORK")] * 2
+            )
             assert fake_tls.send_count == 3 and len(plain.token_grants) == 1
         finally:
             trusted.close()

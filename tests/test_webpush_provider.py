@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import ssl
 import uuid
 
 import pytest
@@ -26,6 +25,7 @@ from relay.services import channels
 from relay.services import provider_registry as registry
 from tests.fakes.webpush import FakePushService, FakeReply, FakeSubscription, b64encode
 from tests.support.provider_fakes import configure
+from tests.support.tls import loopback_tls
 
 pytestmark = pytest.mark.defaults
 
@@ -407,19 +407,12 @@ def test_an_https_push_service_is_trusted_through_the_ca_bundle_both_ways(tmp_pa
     by a lone send (requests) and a batch (aiohttp) alike: delivered with the bundle of the
     throw-away CA that signed its certificate, refused (NETWORK, nothing received) with
     certifi's."""
-    from tests.fakes.apns import CertificateAuthority, _server_certificate
-
-    ca = CertificateAuthority.create("fake push service CA")
-    cert, key = _server_certificate(ca, "127.0.0.1")
-    (tmp_path / "server.pem").write_text(cert + key)
-    (tmp_path / "ca.pem").write_text(ca.pem)
-    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server.load_cert_chain(tmp_path / "server.pem")
+    server, bundle = loopback_tls(tmp_path, "fake push service CA")
     with FakePushService(tls=server) as fake:
         config = WebPushConfig(
             private_key=private_key, subject=SUBJECT, endpoint_hosts=(fake.host_pattern,)
         )
-        trusted = WebPushProvider(config, timeout=5.0, ca_bundle=str(tmp_path / "ca.pem"))
+        trusted = WebPushProvider(config, timeout=5.0, ca_bundle=str(bundle))
         untrusted = WebPushProvider(config, timeout=5.0)
         try:
             subs = [fake.subscribe() for _ in range(3)]
