@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import functools
+import itertools
 import json
 import re
 import secrets
@@ -301,6 +302,10 @@ class FakeFcm:
         self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        # Each connection's number, for `open_connections`: never reused, unlike id(writer),
+        # which a new connection's writer takes over once a closed one's is freed.
+        self._numbers: dict[asyncio.StreamWriter, int] = {}
+        self._accepted = itertools.count()
         self._cond = threading.Condition()
         self._accounts: dict[str, _Account] = {}
         self._access_tokens: dict[str, _AccessToken] = {}
@@ -395,6 +400,7 @@ class FakeFcm:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with self._cond:
             self._writers.add(writer)
+            self._numbers[writer] = next(self._accepted)
         try:
             while True:
                 try:
@@ -429,6 +435,7 @@ class FakeFcm:
         finally:
             with self._cond:
                 self._writers.discard(writer)
+                self._numbers.pop(writer, None)
                 self._cond.notify_all()
             writer.close()
 
@@ -563,7 +570,7 @@ class FakeFcm:
     def open_connections(self) -> frozenset[int]:
         """Which client connections are open now (opaque ids for `wait_closed`)."""
         with self._cond:
-            return frozenset(id(writer) for writer in self._writers)
+            return frozenset(self._numbers.values())
 
     def wait_closed(self, connections: frozenset[int], timeout: float = 30.0) -> None:
         """Block until every one of `connections` has closed.
@@ -573,7 +580,7 @@ class FakeFcm:
         """
         deadline = time.monotonic() + timeout
         with self._cond:
-            while connections & {id(writer) for writer in self._writers}:
+            while connections & set(self._numbers.values()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("fake FCM: connections still open")
