@@ -413,16 +413,18 @@ class WnsProvider:
             timeout=timeout, follow_redirects=False, trust_env=False, verify=_ssl_context()
         )
         # A batch's requests (`send_many`) go side by side over aiohttp on the process's
-        # provider loop (httpx's asynchronous pool polls every connection's socket for each
-        # request: it cost four times the CPU per send); `channel_uri_allowed` checks that
-        # aiohttp's URL parser (yarl) reads a channel URI as the others do.
+        # provider loop, not httpx's asynchronous client, whose pool polls every pooled
+        # connection's socket on each request (docs/benchmarks.md, WNS batches on the loop);
+        # `channel_uri_allowed` checks that aiohttp's URL parser (yarl) reads a channel URI
+        # as the others do.
         self._loop_session = LoopSession(
             timeout=aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout),
             build_timeout=timeout,
             tls=_ssl_context,
         )
-        # What a batch may take at most (each request waiting for a connection, then its own
-        # timeout, twice with a 401): only a wedged loop reaches it.
+        # What one round of a batch may take at most (each request waiting for a connection,
+        # then its own timeout; a 401's resend is a round of its own): only a wedged loop
+        # reaches it.
         self._batch_seconds = 4 * timeout + 5.0
         self._token: _Token | None = None
         self._auth_failure: tuple[SendResult, float] | None = None
