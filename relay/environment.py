@@ -514,6 +514,16 @@ class Environment(BaseSettings):
         "at most half of them, and none once its oldest is slow.",
         group=Group.GATEWAY,
     )
+    delivery_journal_seconds: float = var(
+        "RELAY_DELIVERY_JOURNAL_SECONDS",
+        0.1,
+        "What the gateway's own sends taught (their Delivery rows) is appended to a journal "
+        "under VAR_DIR before the publish is answered and written to the database this often "
+        "(seconds), many pushes in one statement; a journal whose gateway died is written by "
+        "the next gateway on the host. VAR_DIR must outlive the process (a volume). 0: each "
+        "batch's rows are written before its answer.",
+        group=Group.GATEWAY,
+    )
     tally_flush_seconds: float = var(
         "RELAY_TALLY_FLUSH_SECONDS",
         1.0,

@@ -108,6 +108,19 @@ DEFERRED_SWEEP_FAILURES = Counter(
     "relay_deferred_sweep_failures",
     "Sweeps of deferred sends that published nothing because the broker refused (rows kept).",
 )
+JOURNAL_WAITING = Gauge(
+    "relay_delivery_journal_waiting",
+    "Pushes the gateway sent whose Delivery rows are in its journal, not yet in the database.",
+    multiprocess_mode="livesum",
+)
+JOURNAL_RECOVERED = Counter(
+    "relay_delivery_journal_recovered",
+    "Journals of gateways that were gone, written to the database by this one.",
+)
+JOURNAL_REFUSED = Counter(
+    "relay_delivery_journal_refused",
+    "Journals whose rows the database refused, set aside as *.refused files for an operator.",
+)
 IN_FLIGHT = Gauge(
     "relay_sends_in_flight",
     "Wake-ups being sent right now, by provider (waiting for a slot or for the provider).",

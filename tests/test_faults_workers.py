@@ -1,6 +1,7 @@
-"""Faults mid-stream in the workers and at a provider: workers killed (SIGKILL, also as a send is
-handed over), a provider that never answers beside a healthy tenant, a lone tenant's burst,
-no beat running. No push answered `result` is lost (the lab: tests/support/fault_lab.py)."""
+"""Faults mid-stream in the processes and at a provider: workers killed (SIGKILL, also as a send
+is handed over), the gateway killed with Delivery rows in its journal, a provider that never
+answers beside a healthy tenant, a lone tenant's burst, no beat running. No push answered
+`result` is lost (the lab: tests/support/fault_lab.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from tests.support.fault_lab import (
     run_stream_with_fault,
     settle,
 )
+from tests.support.processes import start_gateway
 from tests.support.waiting import wait_until
 
 
@@ -57,6 +59,38 @@ def test_worker_sigkill_loses_no_push(fault_lab: Lab) -> None:
     result = report(fault_lab, tenant, f"worker SIGKILL x{KILLS}", back_at)
     check(result, fault_lab)
     assert sum(not worker.alive() for worker in fault_lab.workers) == KILLS
+
+
+def test_a_gateway_killed_outright_loses_no_delivery_row(fault_lab: Lab) -> None:
+    """SIGKILL the gateway (the OOM killer) while the Delivery rows of the pushes it sent
+    itself and answered are only in its journal (relay/services/delivery_journal.py; its
+    interval made an hour, so none is written before the kill): the gateway started after it
+    on the host writes them, and takes the links over."""
+    first, more = PUBLISHES // 3, 40
+    tenant = fault_lab.add_tenant("gateway", first + more)
+    fault_lab.start(RELAY_DELIVERY_JOURNAL_SECONDS="3600", **PATHS["direct"])
+    tenant.publish_stream(first, RATE)
+    wait_until(lambda: len(tenant.answers()) >= first, timeout=30)
+    accepted = set(tenant.accepted())
+    assert len(accepted) == first
+    wait_until(lambda: accepted <= set(tenant.delivered()), timeout=30)
+    # A batch beyond the gateway's share would have gone to the workers (rows written before
+    # the broker's ack); at this rate nearly all are the gateway's own.
+    journaled = accepted - set(fault_lab.delivery_rows())
+    assert len(journaled) >= 0.9 * first, f"only {len(journaled)} rows were in the journal"
+
+    assert fault_lab.gateway is not None
+    fault_lab.gateway.process.send_signal(signal.SIGKILL)
+    fault_lab.gateway.process.wait()
+    back_at = time.time()
+    env = {k: v for k, v in fault_lab.env.items() if k != "RELAY_DELIVERY_JOURNAL_SECONDS"}
+    fault_lab.gateway = start_gateway(**env)
+    wait_until(lambda: accepted <= set(fault_lab.delivery_rows()), timeout=30, interval=0.2)
+    tenant.server.wait_connected(count=2, gateway=fault_lab.gateway)  # the lease ran out
+    tenant.publish_stream(more, None, start=first)
+    settle(fault_lab)
+    result = report(fault_lab, tenant, "gateway SIGKILL, rows in its journal", back_at)
+    check(result, fault_lab, answered=first + more, recovery=45.0)
 
 
 def test_a_stuck_provider_does_not_delay_another_tenant(fault_lab: Lab) -> None:

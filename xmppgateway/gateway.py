@@ -35,6 +35,7 @@ from relay import conf
 from relay.models import Component, LinkState
 from relay.probes import ProbeServer
 from relay.services import (
+    delivery_journal,
     direct_sends,
     health,
     link_leases,
@@ -43,6 +44,7 @@ from relay.services import (
     publishing,
     tallies,
 )
+from relay.services.delivery_journal import Journal
 from relay.services.publishing import Publish, Verdict
 from relay.services.queue import QueueUnavailable
 from xmppgateway import features
@@ -343,7 +345,9 @@ class PublishBatcher:
     ) -> None:
         assert self.direct is not None
         try:
-            verdicts = await self.direct.run(direct_sends.send_planned, plan, send)
+            verdicts = await self.direct.run(
+                direct_sends.send_planned, plan, send, self.direct.journal
+            )
         except Exception as error:
             if not isinstance(error, Unavailable):
                 log.exception("gateway.direct_crashed", extra={"error_type": type(error).__name__})
@@ -369,18 +373,30 @@ class DirectPath:
     the threads they run in, apart from the database calls' so that a slow provider holds
     no lookup."""
 
-    def __init__(self, *, share: float, in_flight: int) -> None:
+    def __init__(self, *, share: float, in_flight: int, journal: Journal | None = None) -> None:
         self.budget = direct_sends.Budget(share=share, in_flight=in_flight)
         self.executor = ThreadPoolExecutor(
             max_workers=max(1, in_flight), thread_name_prefix="gateway-send"
         )
+        self.journal = journal
+        if journal is not None:
+            journal.start()
 
     @classmethod
     def configured(cls) -> DirectPath | None:
         relay = conf.current()
         if relay.direct_send_share <= 0 or relay.direct_sends_in_flight <= 0:
             return None
-        return cls(share=relay.direct_send_share, in_flight=relay.direct_sends_in_flight)
+        journal = None
+        if relay.delivery_journal_seconds > 0:
+            journal = Journal(
+                delivery_journal.folder(relay.var_dir), interval=relay.delivery_journal_seconds
+            )
+        return cls(
+            share=relay.direct_send_share,
+            in_flight=relay.direct_sends_in_flight,
+            journal=journal,
+        )
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -389,9 +405,12 @@ class DirectPath:
         )
 
     def close(self) -> None:
-        """Once the links are closed (every publish answered): no send is left in flight."""
+        """Once the links are closed (every publish answered): no send is left in flight,
+        and what the journal kept is written."""
         self.executor.shutdown(wait=True, cancel_futures=True)
         provider_registry.close_all()
+        if self.journal is not None:
+            self.journal.stop()
 
 
 class Gateway:

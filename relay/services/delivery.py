@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
+    IntegrityError,
     InterfaceError,
     OperationalError,
     connection,
@@ -387,7 +388,10 @@ def _with_apps(
 
 
 def deliver_many(
-    jobs: list[queue.SendJob], *, registrations: dict[int, Registration] | None = None
+    jobs: list[queue.SendJob],
+    *,
+    registrations: dict[int, Registration] | None = None,
+    keep: Callable[[Bookkeeping], bool] | None = None,
 ) -> list[Outcome]:
     """Send a batch of queued pushes; one outcome per job, in order.
 
@@ -398,7 +402,9 @@ def deliver_many(
     rows in one statement each.
 
     `registrations`: the jobs' registrations by id as the caller just read them (every
-    column, and the app's `updated`), instead of reading them here.
+    column, and the app's `updated`), instead of reading them here. `keep`: a journal that
+    may keep the bookkeeping to write it later (relay/services/delivery_journal.py); False
+    when it did not, and it is written here.
 
     Raises DatabaseUnavailable before anything was sent, RecordPending after.
     """
@@ -407,9 +413,11 @@ def deliver_many(
     outcomes: list[Outcome] = [Outcome.FAILED] * len(jobs)
     known = registrations
     registrations = with_database(
-        lambda: _load_registrations({job.registration_id for job in jobs})
-        if known is None
-        else _read_already(known)
+        lambda: (
+            _load_registrations({job.registration_id for job in jobs})
+            if known is None
+            else _read_already(known)
+        )
     )
     now = timezone.now()
     max_age = conf.current().send_max_age_seconds
@@ -476,7 +484,8 @@ def deliver_many(
             },
         )
     try:
-        record(book)
+        if keep is None or not keep(book):
+            record(book)
     except DatabaseUnavailable:
         raise RecordPending(book, outcomes) from None
     return outcomes
@@ -515,6 +524,49 @@ def record(book: Bookkeeping) -> None:
     """Write a batch's bookkeeping (retried on new connections; DatabaseUnavailable)."""
     if book.dead or book.delivered or book.dead_letters or book.deliveries or book.deferred:
         with_database(lambda: _write(book))
+
+
+def record_kept(book: Bookkeeping) -> None:
+    """`record` bookkeeping kept a while (a gateway's journal): what its rows name may have
+    been deleted meanwhile. A row then keeps no registration that is gone (as deleting the
+    registration would have left it) and goes with an app that is gone (as deleting the app
+    would have taken it)."""
+    try:
+        record(book)
+    except IntegrityError:
+        record(with_database(lambda: _still_named(book)))
+
+
+def _still_named(book: Bookkeeping) -> Bookkeeping:
+    registrations = set(
+        Registration.objects.filter(
+            pk__in={row["registration_id"] for row in book.deliveries} | set(book.delivered)
+        ).values_list("pk", flat=True)
+    )
+    apps = set(
+        App.objects.filter(pk__in={row["app_id"] for row in book.deliveries}).values_list(
+            "pk", flat=True
+        )
+    )
+    rows = [
+        {
+            **row,
+            "registration_id": row["registration_id"]
+            if row["registration_id"] in registrations
+            else None,
+        }
+        for row in book.deliveries
+        if row["app_id"] in apps
+    ]
+    log.warning(
+        "delivery.kept_rows_orphaned",
+        extra={"rows": len(book.deliveries), "kept": len(rows)},
+    )
+    return dataclasses.replace(
+        book,
+        delivered=[pk for pk in book.delivered if pk in registrations],
+        deliveries=rows,
+    )
 
 
 def _write(book: Bookkeeping) -> None:

@@ -29,6 +29,7 @@ from relay.models import Registration
 from relay.providers.base import Outcome
 from relay.services import delivery, publishing, queue
 from relay.services import provider_limits as limits
+from relay.services.delivery_journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +108,26 @@ class Budget:
             return self._held()
 
 
-def send_planned(plan: publishing.Plan, send: publishing.DirectSend) -> list[publishing.Verdict]:
+def send_planned(
+    plan: publishing.Plan, send: publishing.DirectSend, journal: Journal | None = None
+) -> list[publishing.Verdict]:
     """Send a planned `DirectSend` and give its publishes their verdicts."""
-    return publishing.answer_direct(plan, send, send_jobs(send.jobs, send.registrations))
+    return publishing.answer_direct(plan, send, send_jobs(send.jobs, send.registrations, journal))
 
 
 def send_jobs(
-    jobs: list[queue.SendJob], registrations: dict[int, Registration] | None = None
+    jobs: list[queue.SendJob],
+    registrations: dict[int, Registration] | None = None,
+    journal: Journal | None = None,
 ) -> list[bool]:
     """Send one app's jobs in this process (with their registrations as just read, if given);
     per job, whether it may be answered `result` (delivered, or kept: deferred,
-    dead-lettered, or queued in the broker)."""
+    dead-lettered, or queued in the broker). A delivered batch's bookkeeping goes to the
+    `journal`, if given, instead of the database."""
     try:
-        outcomes = delivery.deliver_many(jobs, registrations=registrations)
+        outcomes = delivery.deliver_many(
+            jobs, registrations=registrations, keep=journal.keep if journal else None
+        )
     except delivery.DatabaseUnavailable:
         # Nothing was sent: the broker takes the jobs as if they had never come here.
         return [_queued(jobs)] * len(jobs)
