@@ -8,8 +8,9 @@ and for sending, its user and system time and its context switches, for each gap
 pushes: none (back to back), a sleep (as at an everyday rate, where the process is idle
 between pushes) and a busy wait of the same length (the thread kept running). What the code
 costs apart from the event loop and the threads around it, and how much more it costs when
-it runs cold. Options: --pushes, --gap (seconds), --profile. RELAY_BENCH_DB names the database it
-re-creates (default relay_everyday), BENCH_FAKE_PORT the fake FCM's port.
+it runs cold. Options: --pushes, --gap (seconds), --profile, --journal (seconds).
+RELAY_BENCH_DB names the database it re-creates (default relay_everyday), BENCH_FAKE_PORT the
+fake FCM's port.
 """
 
 from __future__ import annotations
@@ -46,16 +47,29 @@ def main() -> None:
         help="also profile the pushes paced by sleeps (cProfile on the thread's CPU time) and "
         "print the share of the relay's main steps",
     )
+    parser.add_argument(
+        "--journal",
+        type=float,
+        default=0.0,
+        help="send with a delivery journal written this often (seconds), as the gateway "
+        "does by default (RELAY_DELIVERY_JOURNAL_SECONDS); 0: each push's rows written "
+        "before its answer",
+    )
     args = parser.parse_args()
     django_on_fresh_database(os.environ.get("RELAY_BENCH_DB", "relay_everyday"))
 
     from relay.identifiers import new_node, new_secret
     from relay.models import Component, Registration, Service
     from relay.services import direct_sends, publishing
+    from relay.services.delivery_journal import Journal
 
     port = int(os.environ.get("BENCH_FAKE_PORT", "18091"))
     account = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "sa.json"
     fake = start_fake_fcm(port, account)
+    journal = None
+    if args.journal > 0:
+        journal = Journal(Path(tempfile.mkdtemp(prefix="relay-journal-")), interval=args.journal)
+        journal.start()
     try:
         app = bench_app(account, f"http://127.0.0.1:{port}")
         tenant = app.tenant
@@ -89,7 +103,7 @@ def main() -> None:
             plan = publishing.plan_publishes([publish], claim=lambda app, jobs: jobs)
             planned = time.thread_time()
             [send] = plan.direct
-            verdicts = direct_sends.send_planned(plan, send)
+            verdicts = direct_sends.send_planned(plan, send, journal)
             sent = time.thread_time()
             if verdicts != [publishing.Verdict.ACCEPTED]:
                 raise RuntimeError(f"a push was not accepted: {verdicts}")
@@ -103,6 +117,8 @@ def main() -> None:
             start = WARM_PUSHES + number * args.pushes
             plan_cpu = send_cpu = 0.0
             before = resource.getrusage(resource.RUSAGE_THREAD)
+            process_before = time.process_time()
+            journal_before = journal.cpu_seconds if journal else 0.0
             for registration in registrations[start : start + args.pushes]:
                 planning, sending = push(registration)
                 plan_cpu += planning
@@ -113,7 +129,10 @@ def main() -> None:
                     until = time.perf_counter() + args.gap
                     while time.perf_counter() < until:
                         pass
+            if journal is not None:  # this phase's rows written by its thread, not the next's
+                time.sleep(journal.interval * 3)
             after = resource.getrusage(resource.RUSAGE_THREAD)
+            process_cpu = time.process_time() - process_before
             n = args.pushes
             phase = {
                 "pace": pace,
@@ -124,6 +143,11 @@ def main() -> None:
                     "send": round(send_cpu / n * 1000, 3),
                     "both": round((plan_cpu + send_cpu) / n * 1000, 3),
                 },
+                # Every thread of the process (the journal's too), the busy wait included.
+                "process_cpu_ms_per_push": round(process_cpu / n * 1000, 3),
+                "journal_thread_cpu_ms_per_push": round(
+                    ((journal.cpu_seconds if journal else 0.0) - journal_before) / n * 1000, 3
+                ),
                 # The busy wait's own time is in the thread's user time, not in plan or send.
                 "thread_user_sys_ms_per_push": [
                     round((after.ru_utime - before.ru_utime) / n * 1000, 3),
@@ -138,16 +162,25 @@ def main() -> None:
             cpu = phase["cpu_ms_per_push"]
             print(
                 f"{pace}: plan {cpu['plan']} ms, send {cpu['send']} ms, "
-                f"both {cpu['both']} ms of the thread's CPU per push; load {phase['load_average']}"
+                f"both {cpu['both']} ms of the thread's CPU per push; the process's "
+                f"{phase['process_cpu_ms_per_push']} ms (the journal's thread "
+                f"{phase['journal_thread_cpu_ms_per_push']} ms); load {phase['load_average']}"
             )
             phases.append(phase)
-        figures |= {"benchmark": "everyday_path", "phases": phases, "cpus": os.cpu_count()}
+        figures |= {
+            "benchmark": "everyday_path",
+            "journal_seconds": args.journal,
+            "phases": phases,
+            "cpus": os.cpu_count(),
+        }
         if args.profile:
             start = WARM_PUSHES + len(paces) * args.pushes
             figures["profile"] = profile(push, registrations[start:], args.gap)
             print(f"profile, share of the thread's CPU: {figures['profile']}")
         write_results("everyday_path", figures)
     finally:
+        if journal is not None:
+            journal.stop()
         fake.kill()
         fake.wait()
 
@@ -158,6 +191,7 @@ STEPS = {
     "registration lookup": ("relay/services/publishing.py", "_find_registrations"),
     "throttle": ("relay/services/throttling/__init__.py", "admit_many"),
     "bookkeeping": ("relay/services/delivery.py", "record"),
+    "journal": ("relay/services/delivery_journal.py", "keep"),
 }
 
 
