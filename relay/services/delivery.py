@@ -40,6 +40,7 @@ import copy
 import dataclasses
 import enum
 import functools
+import json
 import logging
 import random
 import threading
@@ -47,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from django.db import (
     DEFAULT_DB_ALIAS,
@@ -59,6 +60,7 @@ from django.db import (
     connections,
     transaction,
 )
+from django.db.models import Field
 from django.utils import timezone
 
 from relay import conf, metrics
@@ -584,11 +586,15 @@ def _write(book: Bookkeeping) -> None:
         # statements in one simple query (psycopg's client-side binding sends one) are one
         # implicit transaction on PostgreSQL, all or nothing, and SET LOCAL holds for it;
         # BEGIN, SET, INSERT and COMMIT apart would be four round trips per message.
+        # Its text is one of four, whatever the batch holds (the rows travel as one JSON
+        # value): psycopg caches the parsing of a short query's text, and parsing a long
+        # VALUES list anew was most of what writing a batch of rows cost.
+        adapt = connection.ops.adapt_datetimefield_value
         parts: list[tuple[str, list[Any]]] = [("SET LOCAL synchronous_commit TO OFF", [])]
         if book.delivered:
-            parts.append(_update_sql(book.delivered, "last_push", now, _STALE_PUSH, stale))
+            parts.append((_MOVE_LAST_PUSH_SQL, [adapt(now), book.delivered, adapt(stale)]))
         if book.deliveries:
-            parts.append(_record_sql(book.deliveries))
+            parts.append((_record_json_sql(), [json.dumps(book.deliveries, default=str)]))
         with connection.cursor() as cursor:
             cursor.execute("; ".join(sql for sql, _ in parts), [v for _, vs in parts for v in vs])
         return
@@ -617,6 +623,10 @@ def _update_registrations(
 
 
 _STALE_PUSH = "(last_push IS NULL OR last_push < %s)"
+_MOVE_LAST_PUSH_SQL = (
+    f'UPDATE "{Registration._meta.db_table}" SET last_push = %s '
+    f"WHERE id = ANY(%s) AND {_STALE_PUSH}"
+)
 
 
 def _update_sql(
@@ -740,6 +750,31 @@ def _record(rows: list[dict[str, Any]]) -> None:
     if rows:
         with connection.cursor() as cursor:
             cursor.execute(*_record_sql(rows))
+
+
+@functools.cache
+def _record_json_sql() -> str:
+    """`_record_sql` on PostgreSQL with the rows as one JSON array (one parameter), each
+    value cast to its column's type by `jsonb_to_recordset`."""
+    quote = connection.ops.quote_name
+    fields = [cast(Field, Delivery._meta.get_field(name)) for name in _DELIVERY_FIELDS]
+
+    def kind(field: Field) -> str:
+        # Text as text: the INSERT's own cast then refuses a value too long, as it does a
+        # VALUES list's (a varchar(n) here would cut it short silently).
+        return (
+            "text" if field.get_internal_type() == "CharField" else str(field.db_type(connection))
+        )
+
+    columns = ", ".join(quote(str(field.column)) for field in fields)
+    record = ", ".join(f"{quote(field.attname)} {kind(field)}" for field in fields)
+    selected = ", ".join(quote(field.attname) for field in fields)
+    updates = ", ".join(f"{quote(name)} = EXCLUDED.{quote(name)}" for name in _DELIVERY_UPDATED)
+    return (
+        f"INSERT INTO {quote(Delivery._meta.db_table)} ({columns}) "
+        f"SELECT {selected} FROM jsonb_to_recordset(%s::jsonb) AS r({record}) "
+        f"ON CONFLICT ({quote('push_id')}) DO UPDATE SET {updates}"
+    )
 
 
 def _record_sql(rows: list[dict[str, Any]]) -> tuple[str, list[Any]]:
