@@ -25,7 +25,7 @@ from django.conf import settings
 from relay.models import Delivery, Registration
 from relay.providers.base import Outcome
 from relay.services import direct_sends
-from relay.services.delivery import Bookkeeping
+from relay.services.delivery import Bookkeeping, DatabaseUnavailable
 from relay.services.delivery_journal import REFUSED_SUFFIX, SUFFIX, Journal, folder
 from relay.services.publishing import Verdict, plan_publishes
 from tests.test_batching import publish_for
@@ -133,7 +133,7 @@ import json, os, signal, sys
 from pathlib import Path
 import django
 django.setup()
-from relay.services.delivery import Bookkeeping
+from relay.services.delivery import Bookkeeping, DatabaseUnavailable
 from relay.services.delivery_journal import Journal
 journal = Journal(Path(sys.argv[1]), interval=3600)
 journal.start()
@@ -251,3 +251,27 @@ def test_each_database_has_a_journal_folder_of_its_own(tmp_path):
     finally:
         connection.settings_dict = saved
     assert mine.parent == tmp_path / "delivery-journal"
+
+
+def test_a_journal_stopped_while_the_database_is_away_leaves_its_rows_for_the_next(tmp_path):
+    """At the stop, one retry window (RELAY_DATABASE_RETRY_SECONDS), not two: the rows stay
+    on disk, unlocked, for the next gateway. The writer stands in for a database that does
+    not answer (the real one taken away: tests/test_e2e_relay.py, tests/test_faults.py)."""
+    tries: list[Bookkeeping] = []
+
+    def away(book: Bookkeeping) -> None:
+        tries.append(book)
+        raise DatabaseUnavailable("OperationalError")
+
+    journal = Journal(tmp_path, interval=3600, write=away)
+    journal.start()
+    row = {"push_id": str(uuid.uuid4()), "app_id": 1, "registration_id": 1}
+    assert journal.keep(Bookkeeping(at="2026-01-01T00:00:00+00:00", deliveries=[row]))
+    journal.stop()
+    assert len(tries) == 1
+    [left] = [path for path in journal_files(tmp_path) if path.stat().st_size]
+    assert json.loads(left.read_text())["deliveries"] == [row]
+    # Unlocked: the next gateway takes it.
+    nxt = Journal(tmp_path, interval=3600, write=tries.append)
+    assert nxt.sweep() >= 1
+    assert [book.deliveries for book in tries[1:]] == [[row]]

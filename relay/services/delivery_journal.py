@@ -166,6 +166,7 @@ class Journal:
         self._swept: float | None = None
         self.written = 0  # rows written so far (tests and benchmarks read them)
         self.cpu_seconds = 0.0  # the writer thread's CPU so far (benchmarks read it)
+        self._database_away = False  # the last write met DatabaseUnavailable
 
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -212,7 +213,10 @@ class Journal:
                     self._swept = time.monotonic()
                     self.sweep()
                 self.cpu_seconds = time.thread_time()
-            self.flush(final=True)
+            if self._database_away:  # not another retry window at the stop: it stays on disk
+                log.warning("journal.left_for_the_next_gateway", extra={"pushes": self.waiting()})
+            else:
+                self.flush(final=True)
         except Exception:  # what is kept stays on disk; the sends write their own from now on
             log.exception("journal.stopped_by_error")
         finally:
@@ -257,6 +261,7 @@ class Journal:
                 self.written += len(book.deliveries)
         except DatabaseUnavailable:
             log.warning("journal.database_unavailable", extra={"pushes": len(books)})
+            self._database_away = True
             return False
         except Exception as error:  # never retried forever: kept for an operator
             log.exception(
@@ -270,6 +275,7 @@ class Journal:
             else:  # a failed write's books were in memory only: kept as a file of their own
                 lines = (json.dumps(_message(book), separators=(",", ":")) for book in books)
                 refused.write_text("\n".join(lines) + "\n")
+        self._database_away = False
         return True
 
     def sweep(self) -> int:
