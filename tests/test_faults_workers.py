@@ -65,7 +65,8 @@ def test_a_gateway_killed_outright_loses_no_delivery_row(fault_lab: Lab) -> None
     """SIGKILL the gateway (the OOM killer) while the Delivery rows of the pushes it sent
     itself and answered are only in its journal (relay/services/delivery_journal.py; its
     interval made an hour, so none is written before the kill): the gateway started after it
-    on the host writes them, and takes the links over."""
+    on the host writes them, and takes the links over. That one sends nothing itself
+    (RELAY_DIRECT_SEND_SHARE=0): a gateway writes the journals it finds even then."""
     first, more = PUBLISHES // 3, 40
     tenant = fault_lab.add_tenant("gateway", first + more)
     fault_lab.start(RELAY_DELIVERY_JOURNAL_SECONDS="3600", **PATHS["direct"])
@@ -84,7 +85,7 @@ def test_a_gateway_killed_outright_loses_no_delivery_row(fault_lab: Lab) -> None
     fault_lab.gateway.process.wait()
     back_at = time.time()
     env = {k: v for k, v in fault_lab.env.items() if k != "RELAY_DELIVERY_JOURNAL_SECONDS"}
-    fault_lab.gateway = start_gateway(**env)
+    fault_lab.gateway = start_gateway(**env, **PATHS["workers"])
     wait_until(lambda: accepted <= set(fault_lab.delivery_rows()), timeout=30, interval=0.2)
     tenant.server.wait_connected(count=2, gateway=fault_lab.gateway)  # the lease ran out
     tenant.publish_stream(more, None, start=first)

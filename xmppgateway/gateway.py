@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 SHED_GRACE_SECONDS = 2.0
 # Closing a link after that grace takes at most this long (xmpp.disconnect below).
 CLOSE_SECONDS = 2.5
+# How often a gateway that keeps no journal of its own looks for those of gateways gone.
+ORPHANS_ONLY_SECONDS = 1.0
 # How often the watchdog compares the held links with their lease deadlines (seconds).
 WATCHDOG_SECONDS = 0.2
 
@@ -378,24 +380,17 @@ class DirectPath:
         self.executor = ThreadPoolExecutor(
             max_workers=max(1, in_flight), thread_name_prefix="gateway-send"
         )
-        self.journal = journal
-        if journal is not None:
-            journal.start()
+        self.journal = journal  # started and stopped by the gateway
 
     @classmethod
-    def configured(cls) -> DirectPath | None:
+    def configured(cls, journal: Journal) -> DirectPath | None:
         relay = conf.current()
         if relay.direct_send_share <= 0 or relay.direct_sends_in_flight <= 0:
             return None
-        journal = None
-        if relay.delivery_journal_seconds > 0:
-            journal = Journal(
-                delivery_journal.folder(relay.var_dir), interval=relay.delivery_journal_seconds
-            )
         return cls(
             share=relay.direct_send_share,
             in_flight=relay.direct_sends_in_flight,
-            journal=journal,
+            journal=journal if relay.delivery_journal_seconds > 0 else None,
         )
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -405,12 +400,9 @@ class DirectPath:
         )
 
     def close(self) -> None:
-        """Once the links are closed (every publish answered): no send is left in flight,
-        and what the journal kept is written."""
+        """Once the links are closed (every publish answered): no send is left in flight."""
         self.executor.shutdown(wait=True, cancel_futures=True)
         provider_registry.close_all()
-        if self.journal is not None:
-            self.journal.stop()
 
 
 class Gateway:
@@ -431,12 +423,18 @@ class Gateway:
         self.deadlines: dict[int, float] = {}
         self.stopping: dict[int, asyncio.Task[None]] = {}
         self._held: tuple[int, int, int] = (0, 0, 0)
+        # Even when this gateway keeps nothing in it (RELAY_DELIVERY_JOURNAL_SECONDS=0, or no
+        # sends of its own), its thread writes what a gateway before it left on this host.
+        self.journal = Journal(
+            delivery_journal.folder(relay.var_dir),
+            interval=relay.delivery_journal_seconds or ORPHANS_ONLY_SECONDS,
+        )
         self.publishes = PublishBatcher(
             self.run_blocking,
             limit=conf.current().publish_batch_max,
             window=conf.current().publish_batch_seconds,
             concurrency=conf.current().publish_batch_concurrency,
-            direct=DirectPath.configured(),
+            direct=DirectPath.configured(self.journal),
         )
         self.links: dict[int, Link] = {}
         # Building a link's stream holds the event loop (what it costs: docs/benchmarks.md,
@@ -592,6 +590,7 @@ class Gateway:
             lambda: health.gateway_readiness(self.link_states()),
         )
         probes.start()
+        self.journal.start()
         log.info("gateway.started", extra={"gateway": self.name})
         for feature in self.features:
             self.announced = self.announced or await feature.start()
@@ -630,6 +629,7 @@ class Gateway:
         # tallies are written before the threads go.
         if self.publishes.direct is not None:
             self.publishes.direct.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.journal.stop)
         with contextlib.suppress(Unavailable):
             await self.run_blocking(tallies.flush)
         # Links closed: their leases go at once, the other gateways take them next round.
