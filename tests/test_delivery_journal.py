@@ -24,7 +24,7 @@ from django.conf import settings
 
 from relay.models import Delivery, Registration
 from relay.providers.base import Outcome
-from relay.services import direct_sends
+from relay.services import delivery_journal, direct_sends
 from relay.services.delivery import Bookkeeping, DatabaseUnavailable
 from relay.services.delivery_journal import REFUSED_SUFFIX, SUFFIX, Journal, folder
 from relay.services.publishing import Verdict, plan_publishes
@@ -86,9 +86,10 @@ def test_a_delivered_push_is_journaled_before_its_answer_and_written_at_the_flus
     registration.refresh_from_db()
     assert registration.last_push is not None
     assert journal.waiting() == 0
-    # Only the new, empty file that takes the next rows is left.
+    # The live file keeps its written line until it is full (written again after a crash,
+    # which changes nothing).
     [left] = journal_files(journal.folder)
-    assert left.stat().st_size == 0
+    assert len(left.read_text().splitlines()) == 1
 
 
 def test_a_push_that_is_not_delivered_is_written_before_its_answer(
@@ -275,3 +276,19 @@ def test_a_journal_stopped_while_the_database_is_away_leaves_its_rows_for_the_ne
     nxt = Journal(tmp_path, interval=3600, write=tries.append)
     assert nxt.sweep() >= 1
     assert [book.deliveries for book in tries[1:]] == [[row]]
+
+
+def test_a_full_file_takes_no_more_lines_and_is_removed_once_written(
+    component, fcm_app, fcm, journal, monkeypatch
+):
+    monkeypatch.setattr(delivery_journal, "FILE_BYTES", 1)  # full after one line
+    _, push_id = send_one(component, journal, 12)
+    [full] = journal_files(journal.folder)
+    journal.flush()
+    assert [str(pk) for pk in Delivery.objects.values_list("push_id", flat=True)] == [push_id]
+    assert not full.exists()
+    [fresh] = journal_files(journal.folder)
+    assert fresh.stat().st_size == 0
+    _, later = send_one(component, journal, 13)
+    assert [row["push_id"] for row in json.loads(fresh.read_text())["deliveries"]] == [later]
+    journal.flush()  # here, not in the writer's thread at the fixture's stop

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 # Pushes waiting that wake the writer before its interval is up.
 MAX_WAITING = 1000
+# A file takes no more lines past this size (about 2,400 pushes).
+FILE_BYTES = 1 << 20
 # The most Delivery rows written in one statement when a journal is read back.
 ROWS_PER_WRITE = 1000
 ORPHAN_SWEEP_SECONDS = 10.0
@@ -66,12 +68,12 @@ def folder(var_dir: Path) -> Path:
 
 
 class _File:
-    """One journal file, held under an exclusive flock(2) while its rows are not written."""
+    """One journal file, held under an exclusive flock(2) by its gateway while it lives."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self.fd = fd
-        self.books: list[Bookkeeping] = []
+        self.size = 0
         self.broken = False  # a write failed part-way: no more lines go after it
 
     @classmethod
@@ -91,12 +93,12 @@ class _File:
         if written != len(line):
             self.broken = True
             return False
-        self.books.append(book)
+        self.size += written
         return True
 
     def remove(self) -> None:
         """Its rows are written: gone, then unlocked (never the other way round, or a sweep
-        could take it in between and write its rows again)."""
+        could take it in between and write them again)."""
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         os.close(self.fd)
@@ -145,7 +147,12 @@ def read(fd: int) -> list[Bookkeeping]:
 
 class Journal:
     """One gateway's journal under `folder`; thread-safe. `keep` a book, `start` the writer,
-    `stop` it (writing everything first)."""
+    `stop` it (writing everything first).
+
+    A file takes lines until it holds FILE_BYTES, and is removed once every row in it is
+    written: creating a file cost more than the database write of a round (a round every
+    0.1 s at an everyday rate). So a live file also holds rows already written; after a
+    crash they are written again, which changes nothing."""
 
     def __init__(
         self,
@@ -159,7 +166,9 @@ class Journal:
         self._write = write
         self._lock = threading.Lock()
         self._file: _File | None = None
-        self._behind: list[_File] = []  # files whose rows the database did not take yet
+        self._full: list[_File] = []  # files that take no more lines, removed once written
+        self._kept: list[Bookkeeping] = []  # kept since the last round took them
+        self._unwritten: list[Bookkeeping] = []  # taken by a round the database did not take
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -184,7 +193,8 @@ class Journal:
             current = self._file
             if current is None or current.broken or not current.append(book):
                 return False
-            waiting = len(current.books)
+            self._kept.append(book)
+            waiting = len(self._kept)
         if waiting >= MAX_WAITING:
             self._wake.set()
         return True
@@ -200,8 +210,7 @@ class Journal:
     def waiting(self) -> int:
         """Pushes kept whose rows are not written yet."""
         with self._lock:
-            files = [*self._behind, *([self._file] if self._file else [])]
-            return sum(len(file.books) for file in files)
+            return len(self._kept) + len(self._unwritten)
 
     def _run(self) -> None:
         try:
@@ -221,27 +230,31 @@ class Journal:
             log.exception("journal.stopped_by_error")
         finally:
             with self._lock:
-                left = [*self._behind, *([self._file] if self._file else [])]
-                self._file, self._behind = None, []
+                left = [*self._full, *([self._file] if self._file else [])]
+                self._file, self._full = None, []
             for file in left:  # unlocked and left for the next gateway on this host
                 os.close(file.fd)
             connection.close()
 
     def flush(self, *, final: bool = False) -> None:
-        """Write the rows kept so far; a new file takes the next ones meanwhile."""
+        """Write the rows kept so far (one caller at a time: the writer's thread, or a test
+        that never started it)."""
         with self._lock:
+            books, self._kept = [*self._unwritten, *self._kept], []
+            self._unwritten = []
             current = self._file
-            if current is not None and (current.books or current.broken or final):
-                self._behind.append(current)
+            if current is not None and (final or current.broken or current.size >= FILE_BYTES):
+                self._full.append(current)
                 current = None
             self._file = current if final or current else self._open()
-            behind = list(self._behind)
-        for file in behind:
-            if file.books and not self._written(file.books, file.path):
-                break  # the database is away: this file and the later ones wait
+        if books and not self._written(books):
+            with self._lock:  # the database is away: taken again by the next round
+                self._unwritten = books
+        else:
             with self._lock:
-                self._behind.remove(file)
-            file.remove()
+                full, self._full = self._full, []
+            for file in full:
+                file.remove()
         metrics.JOURNAL_WAITING.set(self.waiting())
 
     def _open(self) -> _File | None:
@@ -253,8 +266,9 @@ class Journal:
             log.warning("journal.open_failed", extra={"error_type": type(error).__name__})
             return None
 
-    def _written(self, books: list[Bookkeeping], path: Path) -> bool:
-        """Whether the books are done with: written, or refused and their file set aside."""
+    def _written(self, books: list[Bookkeeping], path: Path | None = None) -> bool:
+        """Whether the books are done with: written, or refused and set aside (their file,
+        `path`, renamed; or a file of their own)."""
         try:
             for book in merged(books):
                 self._write(book)
@@ -266,13 +280,17 @@ class Journal:
         except Exception as error:  # never retried forever: kept for an operator
             log.exception(
                 "journal.refused",
-                extra={"file": path.name, "pushes": len(books), "error_type": type(error).__name__},
+                extra={
+                    "file": path.name if path else "",
+                    "pushes": len(books),
+                    "error_type": type(error).__name__,
+                },
             )
             metrics.JOURNAL_REFUSED.inc()
-            refused = path.with_suffix(REFUSED_SUFFIX)
-            if path.exists():
-                path.rename(refused)
-            else:  # a failed write's books were in memory only: kept as a file of their own
+            if path is not None:
+                path.rename(path.with_suffix(REFUSED_SUFFIX))
+            else:  # a live file's other lines are written: these as a file of their own
+                refused = self.folder / f"{os.getpid()}-{uuid.uuid4().hex}{REFUSED_SUFFIX}"
                 lines = (json.dumps(_message(book), separators=(",", ":")) for book in books)
                 refused.write_text("\n".join(lines) + "\n")
         self._database_away = False
