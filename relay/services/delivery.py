@@ -586,15 +586,14 @@ def _write(book: Bookkeeping) -> None:
         # statements in one simple query (psycopg's client-side binding sends one) are one
         # implicit transaction on PostgreSQL, all or nothing, and SET LOCAL holds for it;
         # BEGIN, SET, INSERT and COMMIT apart would be four round trips per message.
-        # Its text is one of four, whatever the batch holds (the rows travel as one JSON
-        # value): psycopg caches the parsing of a short query's text, and parsing a long
-        # VALUES list anew was most of what writing a batch of rows cost.
+        # Its text is one of four, whatever the batch holds (`_record_statement`): psycopg
+        # caches the parsing of a short statement's text only.
         adapt = connection.ops.adapt_datetimefield_value
         parts: list[tuple[str, list[Any]]] = [("SET LOCAL synchronous_commit TO OFF", [])]
         if book.delivered:
             parts.append((_MOVE_LAST_PUSH_SQL, [adapt(now), book.delivered, adapt(stale)]))
         if book.deliveries:
-            parts.append((_record_json_sql(), [json.dumps(book.deliveries, default=str)]))
+            parts.append(_record_statement(book.deliveries))
         with connection.cursor() as cursor:
             cursor.execute("; ".join(sql for sql, _ in parts), [v for _, vs in parts for v in vs])
         return
@@ -749,7 +748,15 @@ _DELIVERY_TIMES = frozenset({"received", "queued", "sent"})
 def _record(rows: list[dict[str, Any]]) -> None:
     if rows:
         with connection.cursor() as cursor:
-            cursor.execute(*_record_sql(rows))
+            cursor.execute(*_record_statement(rows))
+
+
+def _record_statement(rows: list[dict[str, Any]]) -> tuple[str, list[Any]]:
+    """The rows' INSERT: on PostgreSQL one text whatever their number (the rows as one JSON
+    parameter), whose parsing psycopg caches; a VALUES list elsewhere."""
+    if connection.vendor == "postgresql":
+        return _record_json_sql(), [json.dumps(rows, default=str)]
+    return _record_sql(rows)
 
 
 @functools.cache

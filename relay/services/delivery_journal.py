@@ -2,11 +2,11 @@
 is answered, written to the database a moment later, many pushes in one statement.
 
 At an everyday rate every push is a batch of one, and writing what its send taught (its
-Delivery row, its registration's `last_push`) was a database round trip of its own before
-the answer: the largest part of what PostgreSQL spent per push (docs/benchmarks.md). Now the
-gateway appends it to its journal, one JSON line in one write(2) (no fsync, no round trip),
-and one thread writes what the journal gathered every RELAY_DELIVERY_JOURNAL_SECONDS (sooner
-once MAX_WAITING pushes wait) through `delivery.record`, as a worker writes a batch.
+Delivery row, its registration's `last_push`) before the answer would be a database round
+trip per push (what it costs: docs/benchmarks.md, The delivery journal). So the gateway
+appends it to its journal, one JSON line in one write(2) (no fsync, no round trip), and one
+thread writes what the journal gathered every RELAY_DELIVERY_JOURNAL_SECONDS (sooner once
+MAX_WAITING pushes wait) through `delivery.record_kept`, as a worker writes a batch.
 
 Why no Delivery row is lost: the line is in the kernel's page cache before the publish is
 answered, so it outlives the gateway however the gateway ends (SIGKILL, the OOM killer, a
@@ -105,6 +105,8 @@ class _File:
 
 
 def _message(book: Bookkeeping) -> dict[str, Any]:
+    """What a journal line holds; not `Bookkeeping.to_message`, whose `asdict` copies every
+    row, on the send's own thread (a journaled book has only these fields)."""
     return {"at": book.at, "delivered": book.delivered, "deliveries": book.deliveries}
 
 
@@ -120,7 +122,6 @@ def merged(books: Iterable[Bookkeeping]) -> Iterator[Bookkeeping]:
         at = max(at, book.at)
         delivered.update(book.delivered)
         for row in book.deliveries:
-            rows.pop(str(row["push_id"]), None)
             rows[str(row["push_id"])] = row
             if len(rows) >= ROWS_PER_WRITE:
                 yield Bookkeeping(
@@ -150,9 +151,9 @@ class Journal:
     `stop` it (writing everything first).
 
     A file takes lines until it holds FILE_BYTES, and is removed once every row in it is
-    written: creating a file cost more than the database write of a round (a round every
-    0.1 s at an everyday rate). So a live file also holds rows already written; after a
-    crash they are written again, which changes nothing."""
+    written: a file per round cost more than the round's database write (docs/benchmarks.md,
+    The delivery journal). So a live file also holds rows already written; after a crash
+    they are written again, which changes nothing."""
 
     def __init__(
         self,
@@ -173,7 +174,6 @@ class Journal:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._swept: float | None = None
-        self.written = 0  # rows written so far (tests and benchmarks read them)
         self.cpu_seconds = 0.0  # the writer thread's CPU so far (benchmarks read it)
         self._database_away = False  # the last write met DatabaseUnavailable
 
@@ -272,7 +272,6 @@ class Journal:
         try:
             for book in merged(books):
                 self._write(book)
-                self.written += len(book.deliveries)
         except DatabaseUnavailable:
             log.warning("journal.database_unavailable", extra={"pushes": len(books)})
             self._database_away = True
